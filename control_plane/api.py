@@ -1,0 +1,262 @@
+"""OpenAI-compatible REST API over the engine (aiohttp)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from control_plane import __version__
+from control_plane.engine import Engine, RequestOutput, RequestStream
+from control_plane.sampling_params import SamplingParams, ValidationError, parse_sampling
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+def error_response(status: int, message: str, err_type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _validation_response(exc: ValidationError) -> web.Response:
+    return error_response(400, exc.message, param=exc.param, code=exc.code)
+
+
+async def _read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValidationError("the body is not valid JSON", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ValidationError("the body must be a JSON object", None, "invalid_type")
+    return body
+
+
+def _check_model(engine: Engine, body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != engine.config.model_name:
+        raise ValidationError(f"model '{model}' is not served here; this server serves "
+                              f"'{engine.config.model_name}'", "model", "model_not_found")
+
+
+def _parse_prompts(engine: Engine, prompt) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    def is_ids(x):
+        return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise ValidationError("'prompt' must be a non-empty string, list of strings, list of token ids, "
+                              "or list of token-id lists", "prompt", "invalid_type")
+    prompts = []
+    for item in items:
+        ids = item if isinstance(item, list) else engine.tokenizer.encode(item, add_special_tokens=False)
+        if not ids:
+            raise ValidationError("'prompt' must not be empty", "prompt")
+        prompts.append(ids)
+    return prompts
+
+
+def _chat_prompt(engine: Engine, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("'messages' must be a non-empty list", "messages", "invalid_type")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise ValidationError("each message needs a 'role' (system, user or assistant) and a string "
+                                  "'content'", "messages", "invalid_type")
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(o.num_prompt_tokens for o in outputs)
+    completion = sum(o.num_output_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _logprobs_json(outputs: list[RequestOutput], tokenizer, chat: bool) -> dict | None:
+    tokens = [t for o in outputs for t in o.logprobs]
+    if not tokens:
+        return None
+    def text(tid):
+        return tokenizer.decode([tid])
+    if chat:
+        return {"content": [{"token": text(t.token_id), "logprob": t.logprob,
+                             "top_logprobs": [{"token": text(i), "logprob": lp} for i, lp in t.top_logprobs]}
+                            for t in tokens]}
+    return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{text(i): lp for i, lp in t.top_logprobs} for t in tokens]}
+
+
+class Api:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def _start(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        request_id = uuid.uuid4().hex
+        # validate every prompt before any is queued: a bad one must not leave the others running
+        for ids in prompts:
+            self.engine.validate_request(ids, params)
+        return [self.engine.add_request(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        engine = self.engine
+        try:
+            body = await _read_json(request)
+            _check_model(engine, body)
+            prompts = [_chat_prompt(engine, body)] if chat else _parse_prompts(engine, body.get("prompt"))
+            params = parse_sampling(body, default_max_tokens=engine.hs.max_model_len if chat else 16, chat=chat)
+            if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
+                params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
+                params.max_tokens = min(params.max_tokens, engine.pool_capacity_tokens - len(prompts[0]))
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise ValidationError("'stream' must be a boolean", "stream", "invalid_type")
+            return_ids = bool(body.get("return_token_ids", False))
+            if not engine.data_plane_alive:
+                resp = error_response(503, "the data plane is not available", "service_unavailable")
+                resp.headers["Retry-After"] = "5"
+                return resp
+            streams = self._start(prompts, params)
+        except ValidationError as exc:
+            return _validation_response(exc)
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": engine.config.model_name}
+        try:
+            if stream:
+                return await self._stream(request, streams, meta, chat, return_ids)
+            return await self._collect(streams, meta, chat, return_ids)
+        finally:
+            for s in streams:
+                engine.abort(s)  # no-op for finished ones; a vanished client frees its blocks
+
+    async def _collect(self, streams, meta, chat, return_ids) -> web.Response:
+        async def drain(stream):
+            return [o async for o in stream]
+        results = await asyncio.gather(*(drain(s) for s in streams))
+        choices, finals = [], []
+        for index, outputs in enumerate(results):
+            final = outputs[-1]
+            finals.append(final)
+            if final.finish_reason == "error":
+                return error_response(500, final.error or "generation failed", "server_error")
+            text = "".join(o.text for o in outputs)
+            choice = {"index": index, "finish_reason": final.finish_reason,
+                      "logprobs": _logprobs_json(outputs, self.engine.tokenizer, chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if return_ids:
+                choice["token_ids"] = [t for o in outputs for t in o.token_ids]
+            choices.append(choice)
+        obj = "chat.completion" if chat else "text_completion"
+        return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(finals)})
+
+    async def _stream(self, request, streams, meta, chat, return_ids) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, stream):
+            async for out in stream:
+                await merged.put((index, out))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        finals: dict[int, RequestOutput] = {}
+
+        async def send(payload):
+            await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        try:
+            if chat:
+                for i in range(len(streams)):
+                    await send({**meta, "object": obj, "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            while len(finals) < len(streams):
+                index, out = await merged.get()
+                if out.finished:
+                    finals[index] = out
+                choice = {"index": index, "finish_reason": out.finish_reason,
+                          "logprobs": _logprobs_json([out], self.engine.tokenizer, chat)}
+                if chat:
+                    choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
+                else:
+                    choice["text"] = out.text
+                if return_ids:
+                    choice["token_ids"] = out.token_ids
+                if out.error:
+                    choice["error"] = out.error
+                await send({**meta, "object": obj, "choices": [choice]})
+            await send({**meta, "object": obj, "choices": [], "usage": _usage(list(finals.values()))})
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            for t in tasks:
+                t.cancel()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({"object": "list", "data": [{
+            "id": e.config.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
+            "max_model_len": e.hs.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.data_plane_alive:
+            return web.json_response({"status": "data plane down"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        hs = self.engine.hs
+        return web.json_response({"version": __version__, "model": self.engine.config.model_name,
+                                  "device": hs.device, "dtype": hs.dtype, "block_size": hs.block_size,
+                                  "num_device_blocks": hs.num_device_blocks})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        data = generate_latest(self.engine.stats.registry)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, f"the body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.status, exc.reason, code=str(exc.status))
+        raise
+
+
+def make_app(engine: Engine) -> web.Application:
+    api = Api(engine)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
+    app[ENGINE_KEY] = engine
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/version", api.version)
+    app.router.add_get("/metrics", api.metrics)
+    return app

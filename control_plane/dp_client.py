@@ -1,0 +1,68 @@
+"""The control plane's end of the ZeroMQ link: a DEALER socket, one request in flight at a time."""
+from __future__ import annotations
+
+import logging
+
+import zmq
+import zmq.asyncio
+
+from shared import protocol as P
+
+log = logging.getLogger("pagedserve.control_plane")
+
+
+class DataPlaneDead(RuntimeError):
+    """The data plane did not answer in time, or answered nonsense."""
+
+
+class DataPlaneClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = None
+        self._connect()
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self.sock.connect(self.address)
+
+    async def _request(self, kind: str, message, expect: str, timeout: float):
+        await self.sock.send(P.encode(kind, message))
+        while True:
+            if not await self.sock.poll(timeout * 1000):
+                self._connect()  # drop whatever the dead peer may still send late
+                raise DataPlaneDead(f"no {expect} from the data plane at {self.address} within {timeout:.0f}s")
+            try:
+                got_kind, reply = P.decode(await self.sock.recv())
+            except P.ProtocolError as exc:
+                log.warning("dropped a frame from the data plane: %s", exc)
+                continue
+            if got_kind == expect:
+                return reply
+            log.warning("expected %s from the data plane, got %s; dropped", expect, got_kind)
+
+    async def handshake(self, timeout: float) -> P.Handshake:
+        return await self._request(P.HELLO, None, P.HANDSHAKE, timeout)
+
+    async def step(self, plan: P.StepPlan, timeout: float) -> P.StepResult:
+        while True:
+            result = await self._request(P.STEP_PLAN, plan, P.STEP_RESULT, timeout)
+            if result.step_id == plan.step_id:
+                return result
+            log.warning("dropped a stale result of step %d", result.step_id)
+
+    async def ping(self, timeout: float) -> None:
+        await self._request(P.PING, None, P.PONG, timeout)
+
+    async def shutdown(self) -> None:
+        try:
+            await self.sock.send(P.encode(P.SHUTDOWN), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close(0)

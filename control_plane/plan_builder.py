@@ -1,0 +1,20 @@
+"""Turns the scheduler's decisions into the compact StepPlan sent to the data plane."""
+from __future__ import annotations
+
+from control_plane.block_manager import BlockManager
+from control_plane.scheduler import SchedulerOutput
+from shared.protocol import NewSequence, StepPlan
+
+
+def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager, eos_token_ids: list[int]) -> StepPlan:
+    plan = StepPlan(step_id, forget_seq_ids=list(out.forget_seq_ids))
+    for s in out.scheduled:
+        seq = s.seq
+        if s.is_new:
+            # sent once in full: every known token (outputs too, after a recompute preemption)
+            plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                             seq.num_computed_tokens, s.num_new_tokens, bm.block_ids(seq.seq_id),
+                                             seq.params.spec(eos_token_ids)))
+        else:
+            plan.cont_seqs.append((seq.seq_id, s.num_new_tokens, s.new_block_ids))
+    return plan

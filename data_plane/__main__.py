@@ -1,0 +1,39 @@
+"""`python -m data_plane --listen ADDRESS ...`: the data-plane process (also `pagedserve data-plane`)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shared import config as C
+    parser = argparse.ArgumentParser(prog="pagedserve data-plane", description="pagedserve data plane")
+    C.add_model_args(parser)
+    C.add_data_plane_args(parser)
+    parser.add_argument("--listen", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s data-plane: %(message)s")
+    try:
+        config = C.data_plane_config(args, args.listen)
+    except C.ConfigError as exc:
+        print(f"pagedserve data-plane: {exc}", file=sys.stderr)
+        return 2
+    import torch
+    from data_plane.model_runner import ModelRunner, load_model, resolve_device
+    from data_plane.worker import Worker
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    log = logging.getLogger("pagedserve.data_plane")
+    log.info("loading %s (%s) on %s", config.model, config.dtype, device)
+    model = load_model(config, device)
+    runner = ModelRunner(model, config, device)
+    Worker(runner, config.listen).serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

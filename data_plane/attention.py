@@ -1,0 +1,68 @@
+"""pagedserve's attention, registered with transformers so that its model classes run on the paged cache.
+
+The model runner installs one StepContext per forward pass (`use_step_context`); every
+attention layer reads the step's metadata from it instead of having it threaded through
+the model's call chain. transformers calls `paged_attention_forward` with query, key and
+value after rotary embedding, shaped [1, heads, tokens, head_dim] for our flattened batch.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ops.attention import paged_attention, write_kv
+
+ATTENTION_NAME = "pagedserve"
+
+
+@dataclass
+class StepContext:
+    kv_pool: torch.Tensor          # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor     # [tokens] int64: where each new token's K/V goes
+    block_tables: torch.Tensor     # [seqs, max_blocks] int32
+    seq_lens: torch.Tensor         # [seqs] int32: context length after this step
+    query_start_loc: torch.Tensor  # [seqs + 1] int32
+    max_query_len: int
+
+
+_current: StepContext | None = None
+
+
+@contextlib.contextmanager
+def use_step_context(ctx: StepContext):
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    ctx = _current
+    assert ctx is not None, "pagedserve attention called outside a step context"
+    assert query.shape[0] == 1, "pagedserve runs one flattened row of tokens"
+    layer = ctx.kv_pool[module.layer_idx]
+    k_cache, v_cache = layer[0], layer[1]
+    q = query[0].transpose(0, 1)   # [tokens, heads, dim]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                          scale, ctx.max_query_len)
+    return out.unsqueeze(0), None  # [1, tokens, heads, dim]
+
+
+def _no_mask(*args, **kwargs):
+    # Causality and sequence boundaries come from the step context, not from a dense mask.
+    return None
+
+
+def register() -> str:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,42 @@
+"""The device KV pool: one tensor holding every block of every layer.
+
+    pool[layer, 0 = K | 1 = V, block, offset in block, kv head, head dim]
+
+Its size in blocks is fixed at start and reported at the handshake; the control plane's
+block manager decides which block ids are used for what.
+"""
+from __future__ import annotations
+
+import torch
+
+GIB = 1024 ** 3
+DEFAULT_CPU_GIB = 1.0
+CUDA_MEMORY_FRACTION = 0.9
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def choose_num_blocks(block_bytes: int, device: torch.device, kv_cache_blocks: int | None,
+                      kv_cache_gib: float | None) -> int:
+    if kv_cache_blocks is not None:
+        return kv_cache_blocks
+    if kv_cache_gib is not None:
+        budget = kv_cache_gib * GIB
+    elif device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = free * CUDA_MEMORY_FRACTION
+    else:
+        budget = DEFAULT_CPU_GIB * GIB
+    num_blocks = int(budget // block_bytes)
+    if num_blocks < 2:
+        raise ValueError(f"a KV budget of {budget / GIB:.3f} GiB holds {num_blocks} blocks of "
+                         f"{block_bytes} bytes; give more memory")
+    return num_blocks
+
+
+def allocate_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # zeros, not empty: padding slots of a gathered block are read (then masked) by the CPU path
+    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -1,0 +1,192 @@
+"""Loads the model, keeps what the data plane knows of each sequence, and executes step plans.
+
+One step: swap/copy orders first, then one forward pass over the flattened tokens of all
+scheduled sequences (no padding), then sampling of the sequences whose known tokens are
+now all computed. The runner makes no scheduling decision: it does what the plan says.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from data_plane import attention, kv_pool, sampler
+from ops.cache_ops import copy_blocks
+from shared.config import DataPlaneConfig, split_model_path
+from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
+
+log = logging.getLogger("pagedserve.data_plane")
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling: SamplingSpec
+
+
+class PlanError(ValueError):
+    """A plan that names unknown sequences or out-of-range blocks: refused before any work."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(config: DataPlaneConfig, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    folder, gguf_file = split_model_path(config.model)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=getattr(torch, config.dtype),
+        attn_implementation=attention.register())
+    return model.to(device).eval()
+
+
+class ModelRunner:
+    def __init__(self, model, config: DataPlaneConfig, device: torch.device):
+        self.model = model
+        self.device = device
+        self.block_size = config.block_size
+        mc = model.config
+        self.num_layers = mc.num_hidden_layers
+        self.num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.dtype = getattr(torch, config.dtype)
+        block_bytes = kv_pool.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                              self.head_dim, self.dtype)
+        self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
+                                                    config.kv_cache_gib)
+        self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+                                          self.head_dim, self.dtype, device)
+        # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
+        self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
+        model_max = getattr(mc, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(model_max, config.max_model_len or model_max)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.model_id = config.model
+        self.seqs: dict[int, SeqState] = {}
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.num_blocks, self.block_size,
+                 self.num_blocks * block_bytes / 2**20, device)
+
+    def handshake(self) -> Handshake:
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        device = str(self.device)
+        if self.device.type == "cuda":
+            device += f" ({torch.cuda.get_device_name(self.device)})"
+        return Handshake(self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
+                         str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks, 0,
+                         self.max_model_len, device, eos_ids)
+
+    # --- plan bookkeeping -------------------------------------------------------------
+    def _check_blocks(self, block_ids) -> None:
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise PlanError(f"block id {b} out of range [0, {self.num_blocks})")
+
+    def _apply_plan(self, plan: StepPlan) -> list[tuple[int, int]]:
+        """Updates the sequence table; returns (seq_id, num_new_tokens) in plan order."""
+        for seq_id in plan.forget_seq_ids:
+            self.seqs.pop(seq_id, None)
+        scheduled = []
+        for new in plan.new_seqs:
+            self._add(new)
+            scheduled.append((new.seq_id, new.num_new_tokens))
+        for seq_id, num_new, appended in plan.cont_seqs:
+            state = self.seqs.get(seq_id)
+            if state is None:
+                raise PlanError(f"plan continues unknown sequence {seq_id}")
+            self._check_blocks(appended)
+            state.block_ids.extend(appended)
+            scheduled.append((seq_id, num_new))
+        for seq_id, index, block in plan.remaps:
+            self._check_blocks([block])
+            self.seqs[seq_id].block_ids[index] = block
+        return scheduled
+
+    def _add(self, new: NewSequence) -> None:
+        self._check_blocks(new.block_ids)
+        bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PlanError(f"sequence {new.seq_id} has token ids outside the vocabulary: {bad[:5]}")
+        self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                                         list(new.block_ids), new.sampling)
+
+    # --- execution ----------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        scheduled = self._apply_plan(plan)
+        if plan.copies:
+            src, dst = zip(*plan.copies)
+            self._check_blocks(src + dst)
+            copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
+        t1 = time.perf_counter()
+        sampled, num_tokens = self._forward_and_sample(scheduled) if scheduled else ([], 0)
+        t2 = time.perf_counter()
+        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0)
+
+    def _prepare(self, scheduled):
+        input_ids, positions, slots, seq_lens, starts, block_rows, sample_rows = [], [], [], [], [0], [], []
+        bs = self.block_size
+        for seq_id, num_new in scheduled:
+            st = self.seqs[seq_id]
+            begin, end = st.num_computed_tokens, st.num_computed_tokens + num_new
+            if end > len(st.token_ids) or num_new < 1:
+                raise PlanError(f"sequence {seq_id}: {num_new} new tokens from {begin} but "
+                                f"{len(st.token_ids)} tokens are known")
+            if -(-end // bs) > len(st.block_ids):
+                raise PlanError(f"sequence {seq_id}: {end} tokens need {-(-end // bs)} blocks, "
+                                f"table has {len(st.block_ids)}")
+            input_ids.extend(st.token_ids[begin:end])
+            positions.extend(range(begin, end))
+            table = st.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
+            seq_lens.append(end)
+            starts.append(starts[-1] + num_new)
+            block_rows.append(table)
+            if end == len(st.token_ids):
+                sample_rows.append((seq_id, starts[-1] - 1))
+        max_blocks = max(len(r) for r in block_rows)
+        tables = torch.zeros(len(block_rows), max_blocks, dtype=torch.int32)
+        for i, row in enumerate(block_rows):
+            tables[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        dev = self.device
+        ctx = attention.StepContext(
+            kv_pool=self.pool,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        return ctx, ids, pos, sample_rows
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, scheduled):
+        ctx, ids, pos, sample_rows = self._prepare(scheduled)
+        with attention.use_step_context(ctx):
+            hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        for seq_id, num_new in scheduled:
+            self.seqs[seq_id].num_computed_tokens += num_new
+        if not sample_rows:
+            return [], ids.shape[1]
+        rows = torch.tensor([r for _, r in sample_rows], device=self.device)
+        logits = self.model.get_output_embeddings()(hidden.index_select(0, rows))
+        sample_inputs = []
+        for seq_id, _ in sample_rows:
+            st = self.seqs[seq_id]
+            sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
+                                                   st.token_ids[st.num_prompt_tokens:]))
+        outs = sampler.sample(logits, sample_inputs)
+        result = []
+        for (seq_id, _), out in zip(sample_rows, outs):
+            self.seqs[seq_id].token_ids.append(out.token_id)
+            result.append(SampledToken(seq_id, out.token_id, out.logprob, out.top_logprobs))
+        return result, ids.shape[1]

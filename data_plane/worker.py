@@ -1,0 +1,70 @@
+"""The data plane's ZeroMQ loop: answers the handshake, executes plans, answers pings.
+
+A ROUTER socket bound at the listen address; one control plane talks to it through a DEALER.
+Frames that do not decode are logged and dropped: they never stop the loop.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from data_plane.model_runner import ModelRunner, PlanError
+from shared import protocol as P
+
+log = logging.getLogger("pagedserve.data_plane")
+
+
+class Worker:
+    def __init__(self, runner: ModelRunner, listen: str):
+        self.runner = runner
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self.sock.bind(listen)
+        self.listen = listen
+        self.steps = 0
+
+    def _reply(self, peer: bytes, kind: str, message=None) -> None:
+        self.sock.send_multipart([peer, P.encode(kind, message)])
+
+    def handle(self, peer: bytes, frame: bytes) -> bool:
+        """Handles one frame; returns False when told to shut down."""
+        try:
+            kind, message = P.decode(frame)
+        except P.ProtocolError as exc:
+            log.warning("dropped a frame: %s", exc)
+            return True
+        if kind == P.HELLO:
+            self._reply(peer, P.HANDSHAKE, self.runner.handshake())
+        elif kind == P.PING:
+            self._reply(peer, P.PONG)
+        elif kind == P.STEP_PLAN:
+            try:
+                result = self.runner.execute(message)
+            except PlanError as exc:
+                log.error("refused plan %d: %s", message.step_id, exc)
+                result = P.StepResult(message.step_id, error=f"bad plan: {exc}")
+            self.steps += 1
+            self._reply(peer, P.STEP_RESULT, result)
+        elif kind == P.SHUTDOWN:
+            log.info("shutdown requested by the control plane")
+            return False
+        else:
+            log.warning("ignored a %s frame", kind)
+        return True
+
+    def serve_forever(self) -> None:
+        log.info("data plane listening on %s", self.listen)
+        try:
+            while True:
+                parts = self.sock.recv_multipart()
+                if len(parts) != 2:
+                    log.warning("dropped a message of %d parts", len(parts))
+                    continue
+                if not self.handle(parts[0], parts[1]):
+                    break
+        finally:
+            self.sock.close(0)

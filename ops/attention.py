@@ -1,0 +1,76 @@
+"""Paged attention ops: shape checks, then dispatch (Triton on CUDA, torch reference on CPU).
+
+Cache layout, one tensor per layer and per K/V:
+
+    cache[num_blocks, block_size, num_kv_heads, head_dim]
+
+A token's *slot* is ``block_id * block_size + offset``; slot -1 is padding and is skipped.
+
+The flattened batch of one step holds, for sequence ``s``, the query tokens
+``query_start_loc[s] : query_start_loc[s + 1]``. These are the *last* ``q_len`` tokens of the
+sequence's context of ``seq_lens[s]`` tokens (their K/V were written to the cache before the
+attention call), so query token ``i`` of ``s`` sits at position ``seq_lens[s] - q_len + i`` and
+attends causally to positions ``0 .. that position``::
+
+    context of s:  [ t0 t1 t2 ... t(L-q) | t(L-q+1) ... t(L-1) ]
+                     cached by earlier     query tokens of this step
+                     steps (or prefix)     (written just before)
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ops import reference
+
+
+def _use_triton(device: torch.device) -> bool:
+    # PAGEDSERVE_TRITON=1 forces the Triton path (with TRITON_INTERPRET=1 on CPU, for tests);
+    # PAGEDSERVE_TRITON=0 forces the torch reference even on CUDA.
+    forced = os.environ.get("PAGEDSERVE_TRITON")
+    if forced is not None:
+        return forced == "1"
+    return device.type == "cuda"
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4, f"cache must be [blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)}"
+    assert k_cache.shape == v_cache.shape, "K and V caches differ in shape"
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store key/value [tokens, kv_heads, head_dim] into their slots (slot -1: skipped)."""
+    _check_cache(k_cache, v_cache)
+    assert key.shape == value.shape and key.dim() == 3, f"key must be [tokens, kv_heads, head_dim], got {tuple(key.shape)}"
+    assert key.shape[1:] == k_cache.shape[2:], "key heads/dim do not match the cache"
+    assert slot_mapping.shape == (key.shape[0],), "one slot per token"
+    if _use_triton(key.device):
+        from kernels.cache_ops import write_kv_triton
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, max_query_len: int | None = None) -> torch.Tensor:
+    """Causal attention of query [tokens, heads, head_dim] over the paged cache; returns the same shape.
+
+    block_tables: int32 [seqs, max_blocks] (unused entries any value, conventionally 0);
+    seq_lens: int32 [seqs], context length including this step's tokens;
+    query_start_loc: int32 [seqs + 1], cumulative query lengths.
+    max_query_len: the longest query of the batch if the caller knows it (1 means pure decode).
+    """
+    _check_cache(k_cache, v_cache)
+    assert query.dim() == 3 and query.shape[2] == k_cache.shape[3], "query must be [tokens, heads, head_dim]"
+    assert query.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of kv heads"
+    num_seqs = seq_lens.shape[0]
+    assert block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1
+    if _use_triton(query.device):
+        from kernels.paged_attention import paged_attention_triton
+        return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                      scale, max_query_len)
+    return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                     scale, max_query_len)

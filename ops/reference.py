@@ -1,0 +1,91 @@
+"""Torch reference implementations of the paged ops: the CPU path, and the oracle for kernel tests.
+
+See ops/attention.py for the cache layout and the meaning of every argument.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence as a contiguous [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+
+
+def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, scale):
+    """One query token per sequence: gather all contexts padded to the longest, mask the padding."""
+    block_size = k_cache.shape[1]
+    max_len = max(seq_lens_list[r] for r in rows)
+    max_blocks = -(-max_len // block_size)
+    idx = torch.tensor(rows, dtype=torch.long)
+    tables = block_tables.index_select(0, idx.to(block_tables.device))[:, :max_blocks].long()
+    num = len(rows)
+    # [seqs, blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, padded_len, dim]
+    keys = k_cache[tables].reshape(num, max_blocks * block_size, *k_cache.shape[2:]).transpose(1, 2)
+    values = v_cache[tables].reshape(num, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
+    lens = torch.tensor([seq_lens_list[r] for r in rows], device=query.device)
+    positions = torch.arange(max_blocks * block_size, device=query.device)
+    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    q = query.unsqueeze(2)  # [seqs, heads, 1, dim]
+    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _extend_one(query, k_cache, v_cache, block_table, seq_len, scale):
+    """Several query tokens of one sequence, the last q_len of its context, causally masked."""
+    q_len = query.shape[0]
+    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
+    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    q = query.transpose(0, 1)[None]  # [1, heads, q_len, dim]
+    # query i sits at position seq_len - q_len + i and sees keys j <= that position
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    k_pos = torch.arange(seq_len, device=query.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    max_query_len=None):
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    seq_lens_list = seq_lens.tolist()
+    decode_rows, decode_tokens = [], []
+    for s, seq_len in enumerate(seq_lens_list):
+        start, end = starts[s], starts[s + 1]
+        if end - start == 1:
+            decode_rows.append(s)
+            decode_tokens.append(start)
+        elif end > start:
+            out[start:end] = _extend_one(query[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
+    if decode_rows:
+        tok = torch.tensor(decode_tokens, dtype=torch.long, device=query.device)
+        out[tok] = _decode_batch(query.index_select(0, tok), k_cache, v_cache, block_tables,
+                                 seq_lens_list, decode_rows, scale)
+    return out
+
+
+def copy_blocks(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks src[i] -> dst[i] in every cache tensor (copy-on-write)."""
+    src, dst = src.long(), dst.long()
+    for cache in caches:
+        cache.index_copy_(0, dst, cache.index_select(0, src))

