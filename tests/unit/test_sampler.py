@@ -1,0 +1,69 @@
+import math
+
+import torch
+
+from data_plane.sampler import SampleRow, sample
+from shared.protocol import SamplingSpec
+
+
+def row(**kw) -> SampleRow:
+    prompt = kw.pop("prompt", [1, 2, 3])
+    output = kw.pop("output", [])
+    return SampleRow(SamplingSpec(**kw), prompt, output)
+
+
+def test_greedy_picks_argmax_and_reports_its_logprob():
+    logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
+    out = sample(logits, [row(temperature=0.0, logprobs=2)])[0]
+    assert out.token_id == 1
+    assert math.isclose(out.logprob, float(torch.log_softmax(logits[0], -1)[1]), rel_tol=1e-6)
+    assert [t for t, _ in out.top_logprobs] == [1, 2]
+
+
+def test_seeded_sampling_is_independent_of_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    alone = [sample(logits[2:3].clone(), [row(temperature=1.0, seed=42, output=[5] * k)])[0].token_id
+             for k in range(20)]
+    batched = []
+    for k in range(20):
+        rows = [row(temperature=1.0, seed=s, output=[5] * k) for s in (1, 2, 42, 3)]
+        batched.append(sample(logits.clone(), rows)[2].token_id)
+    assert alone == batched
+    assert len(set(alone)) > 3   # it really samples, not a constant
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    counts = [0, 0, 0]
+    for k in range(2000):
+        counts[sample(logits.clone(), [row(temperature=1.0, seed=9, output=[0] * k)])[0].token_id] += 1
+    assert abs(counts[0] / 2000 - 0.7) < 0.04 and abs(counts[2] / 2000 - 0.1) < 0.03
+
+
+def test_top_k_top_p_min_p_restrict_the_choices():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    def drawn(**kw):
+        return {sample(logits.clone(), [row(temperature=1.0, seed=1, output=[0] * k, **kw)])[0].token_id
+                for k in range(300)}
+    assert drawn(top_k=2) == {0, 1}
+    assert drawn(top_p=0.75) == {0, 1}      # 0.5 + 0.3 reaches 0.75: token 2 is dropped
+    assert drawn(min_p=0.5) == {0, 1}       # p >= 0.25
+    assert drawn() == {0, 1, 2, 3}
+
+
+def test_min_tokens_bans_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 0.0, 10.0]])
+    spec = dict(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    assert sample(logits.clone(), [row(output=[0], **spec)])[0].token_id != 2
+    assert sample(logits.clone(), [row(output=[0, 0], **spec)])[0].token_id == 2
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    # frequency: token 0 generated twice loses 2 * 0.1
+    assert sample(logits.clone(), [row(temperature=0.0, frequency_penalty=0.1, output=[0, 0])])[0].token_id == 1
+    assert sample(logits.clone(), [row(temperature=0.0, presence_penalty=0.05, output=[0])])[0].token_id == 0
+    assert sample(logits.clone(), [row(temperature=0.0, presence_penalty=0.2, output=[0])])[0].token_id == 1
+    # repetition (HF style): positive logits of seen tokens, prompt included, are divided
+    assert sample(logits.clone(), [row(temperature=0.0, repetition_penalty=1.2, prompt=[0])])[0].token_id == 1

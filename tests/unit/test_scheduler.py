@@ -1,0 +1,133 @@
+from control_plane.block_manager import BlockManager
+from control_plane.sampling_params import SamplingParams
+from control_plane.scheduler import Scheduler
+from control_plane.sequence import Sequence, SeqStatus
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+
+
+def make_seqs(*prompt_lens, max_tokens=8) -> list[Sequence]:
+    seqs = []
+    for i, n in enumerate(prompt_lens):
+        seqs.append(Sequence(f"r{i}", list(range(1, n + 1)), n, SamplingParams(max_tokens=max_tokens),
+                             arrival_time=float(i)))
+    return seqs
+
+
+def fake_step(sched: Scheduler, token: int = 7):
+    """Schedules one step and plays the data plane: every sequence whose tokens are all computed
+    gets one sampled token, as the engine would append it."""
+    out = sched.schedule()
+    sched.on_step_done(out)
+    for s in out.scheduled:
+        if s.seq.num_computed_tokens == s.seq.num_tokens:
+            s.seq.token_ids.append(token)
+    sched.check_integrity()
+    return out
+
+
+def scheduled(out):
+    return [(s.seq.request_id, s.num_new_tokens, s.new_block_ids, s.is_new) for s in out.scheduled]
+
+
+def test_prefill_then_decode_share_one_budget():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    a, b = make_seqs(10, 5)
+    sched.add(a)
+    sched.add(b)
+    out = fake_step(sched)
+    # a takes 10 tokens (blocks 0-2), b gets the remaining 6 of budget, needs 5 (blocks 3-4)
+    assert scheduled(out) == [("r0", 10, [0, 1, 2], True), ("r1", 5, [3, 4], True)]
+    out = fake_step(sched)
+    # b's 6th token still fits its 2 blocks
+    assert scheduled(out) == [("r0", 1, [], False), ("r1", 1, [], False)]
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_the_end():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    (a,) = make_seqs(20)
+    sched.add(a)
+    chunks = [scheduled(fake_step(sched))[0][1] for _ in range(3)]
+    assert chunks == [8, 8, 4]
+    assert a.num_output_tokens == 1        # sampled only after the last chunk
+    assert scheduled(fake_step(sched)) == [("r0", 1, [5], False)]   # token 21 opens a sixth block
+
+
+def test_decodes_go_first_and_new_prompts_fill_the_rest():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a, b, c = make_seqs(4, 4, 12)
+    for s in (a, b):
+        sched.add(s)
+    fake_step(sched)
+    sched.add(c)
+    out = fake_step(sched)
+    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r0", 1), ("r1", 1), ("r2", 6)]
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make_scheduler(max_num_seqs=2)
+    for s in make_seqs(3, 3, 3):
+        sched.add(s)
+    out = fake_step(sched)
+    assert [r for r, *_ in scheduled(out)] == ["r0", "r1"]
+    assert len(sched.waiting) == 1
+
+
+def test_preemption_takes_the_latest_arrival_and_it_resumes_from_scratch():
+    # 6 blocks of 4 tokens; two prompts of 8 fill 4 blocks, growth needs more
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    a, b = make_seqs(8, 8)
+    sched.add(a)
+    sched.add(b)
+    sched.watermark_blocks = 0
+    fake_step(sched)                       # both prefilled (blocks 0-1 and 2-3), one token each
+    out = fake_step(sched)                 # token 9 of each needs a third block: 4, 5
+    assert scheduled(out) == [("r0", 1, [4], False), ("r1", 1, [5], False)]
+    for _ in range(3):
+        fake_step(sched)                   # 12 tokens fill three blocks each
+    out = fake_step(sched)                 # token 13 of a needs a block: b (latest arrival) gives way
+    assert [s.request_id for s in out.preempted] == ["r1"]
+    assert out.forget_seq_ids == [b.seq_id]
+    assert scheduled(out) == [("r0", 1, [5], False)]   # b's last block freed first, reused first
+    assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
+    assert b.num_tokens == 13              # its generated tokens stay: it recomputes them later
+    sched.finish(a, "stop")
+    out = fake_step(sched)
+    assert scheduled(out) == [("r1", 13, [3, 2, 5, 4], True)]  # reverse-freed order
+    sched.finish(b, "stop")
+    assert sched.bm.num_free_blocks() == 6
+
+
+def test_a_sequence_preempts_itself_when_it_is_the_latest():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    sched.watermark_blocks = 0
+    a, b = make_seqs(8, 7)
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched)      # a: blocks 0,1 ; b: blocks 2,3 ; b now has 8 tokens (fits)
+    out = fake_step(sched)  # a needs a third block: b gives way; b is after a, so a is scheduled
+    assert [s.request_id for s in out.preempted] == ["r1"]
+    assert [r for r, *_ in scheduled(out)] == ["r0"]
+
+
+def test_finish_frees_blocks_and_tells_the_data_plane_to_forget():
+    sched = make_scheduler()
+    (a,) = make_seqs(6)
+    sched.add(a)
+    fake_step(sched)
+    sched.finish(a, "length")
+    assert sched.bm.num_free_blocks() == 64
+    out = sched.schedule()
+    assert out.forget_seq_ids == [a.seq_id] and not out.scheduled
+    assert not sched.has_work()
+
+
+def test_abort_of_a_waiting_sequence_needs_no_forget():
+    sched = make_scheduler()
+    (a,) = make_seqs(6)
+    sched.add(a)
+    sched.finish(a, "abort")
+    assert not sched.has_work()
+    assert sched.schedule().is_empty
