@@ -1,20 +1,42 @@
-"""Maps sequences to blocks: block tables, growth as sequences grow, freeing.
+"""Maps sequences to blocks: block tables, growth, sharing (fork, copy-on-write), prefix cache.
 
 The scheduler asks it questions ("can this sequence grow to N tokens?") and gets answers:
 new block ids, or None when there is no room now.
+
+Prefix cache: a full, computed block is hashed on its tokens chained on its parent's hash,
+
+    h0 = hash((None, tokens[0:B]))   h1 = hash((h0, tokens[B:2B]))   h2 = hash((h1, tokens[2B:3B]))
+
+so equal hashes mean equal prefixes (lookups also compare the tokens). A new sequence reuses
+the longest run of cached full blocks, but never one holding its last known token: that
+token must be computed to produce logits, and it is never written into a shared block.
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
 from control_plane.block_pool import Block, BlockPool
 
 
+@dataclass
+class Growth:
+    new_block_ids: list[int] = field(default_factory=list)   # appended to the table
+    # copy-on-write: (logical index, shared block copied from, private block copied to)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[int, list[Block]] = {}
+        # per sequence: (leading blocks already hashed, hash of the last of them)
+        self._hashed: dict[int, tuple[int, int | None]] = {}
+        self.prefix_queries = 0                 # tokens looked up in the prefix cache
+        self.prefix_hits = 0                    # of which found
+        self.num_cow_copies = 0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -28,26 +50,97 @@ class BlockManager:
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
-    def grow(self, seq_id: int, num_tokens: int, reserve: int = 0) -> list[int] | None:
-        """Make the sequence's table hold `num_tokens` tokens. Returns the appended block ids
-        (possibly none), or None, taking nothing, when fewer than the blocks needed plus
-        `reserve` are free."""
+    # --- growth ---------------------------------------------------------------------
+    def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None, reserve: int = 0) -> Growth | None:
+        """Make the table hold `num_tokens` tokens, writing from position `write_from` on (a shared
+        block written into is first copied). Returns what changed, or None, changing nothing, when
+        fewer than the blocks needed plus `reserve` are free."""
         table = self.tables.setdefault(seq_id, [])
-        missing = self.blocks_needed(num_tokens) - len(table)
-        if missing <= 0:
-            return []
-        if missing + reserve > self.pool.num_free:
+        missing = max(0, self.blocks_needed(num_tokens) - len(table))
+        cow_index = None
+        if write_from is not None and write_from // self.block_size < len(table) \
+                and table[write_from // self.block_size].ref_count > 1:
+            cow_index = write_from // self.block_size
+        needed = missing + (cow_index is not None)
+        if needed + reserve > self.pool.num_free:
             if not table:
                 del self.tables[seq_id]
             return None
-        new_blocks = self.pool.allocate_many(missing)
-        table.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+        growth = Growth()
+        if cow_index is not None:
+            shared = table[cow_index]
+            private = self.pool.allocate()
+            self.pool.free(shared)
+            table[cow_index] = private
+            growth.copies.append((cow_index, shared.block_id, private.block_id))
+            self.num_cow_copies += 1
+        for block in self.pool.allocate_many(missing) or []:
+            table.append(block)
+            growth.new_block_ids.append(block.block_id)
+        return growth
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (copy-on-write when either writes)."""
+        assert child_id not in self.tables, f"sequence {child_id} already has blocks"
+        table = self.tables[parent_id]
+        for block in table:
+            self.pool.incref(block)
+        self.tables[child_id] = list(table)
+        if parent_id in self._hashed:
+            self._hashed[child_id] = self._hashed[parent_id]
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, last first, so that a prefix's tail is evicted before its head."""
         for block in reversed(self.tables.pop(seq_id, [])):
             self.pool.free(block)
+        self._hashed.pop(seq_id, None)
+
+    # --- prefix cache -------------------------------------------------------------------
+    def _chain(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):
+        """(hash, key) of full blocks start .. num_blocks-1, each chained on the one before."""
+        bs = self.block_size
+        for i in range(start, num_blocks):
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            parent = hash(key)
+            yield i, parent, key
+
+    def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
+        """For a sequence without blocks: share the longest cached prefix; returns its length in tokens."""
+        assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        # never the block holding the last token: it must be computed, and never written when shared
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        table: list[Block] = []
+        last_hash = None
+        for _, block_hash, key in self._chain(token_ids, max_blocks):
+            block = self.pool.lookup(block_hash, key)
+            if block is None:
+                break
+            self.pool.incref(block)
+            table.append(block)
+            last_hash = block_hash
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += len(table) * self.block_size
+        if table:
+            self.tables[seq_id] = table
+            self._hashed[seq_id] = (len(table), last_hash)
+        return len(table) * self.block_size
+
+    def cache_computed_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Registers the sequence's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables[seq_id]
+        done, parent = self._hashed.get(seq_id, (0, None))
+        full = min(num_computed // self.block_size, len(table))
+        for i, block_hash, key in self._chain(token_ids, full, done, parent):
+            if table[i].block_hash is None:
+                # False when another sequence cached the same contents first: this copy stays private
+                self.pool.register(table[i], block_hash, key)
+            parent = block_hash
+        if full > done:
+            self._hashed[seq_id] = (full, parent)
 
     def check_integrity(self) -> None:
         references = Counter(b.block_id for table in self.tables.values() for b in table)

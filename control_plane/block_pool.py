@@ -1,8 +1,9 @@
 """Physical KV blocks and the pool that hands them out. Knows nothing of requests.
 
 Free blocks wait in one ordered dict used as an LRU list: allocation takes the oldest,
-freeing appends at the newest end, and any block can leave the list in O(1) (needed when
-a cached free block is reused by a prefix-cache hit).
+freeing appends at the newest end, and any block can leave the list in O(1) (a cached free
+block reused by a prefix-cache hit). A free block that still carries a hash stays findable
+in `cached` until it is allocated for something else (lazy eviction).
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and hashed (prefix caching)
+    block_hash: int | None = None          # set once the block is full and computed (prefix caching)
+    # (parent block's hash, the block's tokens): compared on lookup so that a hash collision is a miss
+    key: tuple | None = None
 
 
 class BlockPool:
@@ -22,6 +25,8 @@ class BlockPool:
         assert num_blocks > 0, "a pool needs blocks"
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, Block] = {}    # block hash -> block holding those tokens
+        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -41,7 +46,10 @@ class BlockPool:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref count {block.ref_count}"
-        block.block_hash = None
+        if block.block_hash is not None:   # evict its cached contents
+            del self.cached[block.block_hash]
+            block.block_hash = block.key = None
+            self.num_evictions += 1
         block.ref_count = 1
         return block
 
@@ -62,6 +70,22 @@ class BlockPool:
         if block.ref_count == 0:
             self._free[block.block_id] = None
 
+    # --- prefix cache ---------------------------------------------------------------
+    def lookup(self, block_hash: int, key: tuple) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.key != key:   # a collision is a miss
+            return None
+        return block
+
+    def register(self, block: Block, block_hash: int, key: tuple) -> bool:
+        """Makes a full, computed block findable; False if those contents are already cached elsewhere."""
+        assert block.ref_count > 0 and block.block_hash is None, f"block {block.block_id} cannot be registered"
+        if block_hash in self.cached:
+            return False
+        block.block_hash, block.key = block_hash, key
+        self.cached[block_hash] = block
+        return True
+
     def free_block_ids(self) -> list[int]:
         """In allocation order (oldest first): for tests and integrity checks."""
         return list(self._free)
@@ -75,3 +99,6 @@ class BlockPool:
                 f"block {block.block_id}: free={is_free} but ref count {block.ref_count}"
             assert block.ref_count == refs, \
                 f"block {block.block_id}: ref count {block.ref_count}, referenced {refs} times"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"block {block.block_id}: hash not indexed"
+        assert all(b.block_hash == h for h, b in self.cached.items()), "cache index out of date"

@@ -25,6 +25,8 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--step-timeout", type=float, default=120.0)
     parser.add_argument("--log-interval", type=float, default=5.0)
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="do not reuse the KV blocks of common prompt prefixes")
 
 
 def load_tokenizer(model: str):
@@ -88,7 +90,8 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
         cp = C.ControlPlaneConfig(model=model, host=args.host, port=args.port, data_plane=args.data_plane,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   served_model_name=args.served_model_name, step_timeout=args.step_timeout,
-                                  log_interval=args.log_interval).validate()
+                                  log_interval=args.log_interval,
+                                  enable_prefix_caching=args.prefix_caching).validate()
         child = None
         if spawn and cp.data_plane is None:
             cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         C.add_model_args(p)
         _control_plane_args(p)
         p.add_argument("--data-plane", default=None, help="ZeroMQ address of a running data plane")
-    C.add_data_plane_args(serve)
+    C.add_data_plane_args(serve, metrics_flag="--data-plane-metrics-port")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return _serve(args, spawn=args.command == "serve")

@@ -55,8 +55,9 @@ class Engine:
         self.client = client
         self.hs = handshake
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(BlockManager(handshake.num_device_blocks, handshake.block_size),
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+        block_manager = BlockManager(handshake.num_device_blocks, handshake.block_size,
+                                     enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(handshake.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -1,66 +1,166 @@
-"""Control-plane Prometheus metrics (names pagedserve_*, labelled by model) and progress counters."""
+"""Control-plane Prometheus metrics, served at GET /metrics on the REST port.
+
+Names follow vLLM's set where it applies (``vllm:x`` becomes ``pagedserve_x``); every metric
+carries a ``model_name`` label. Every labelled child is created at start, so that each series
+is exported with a sample even while it reads 0 (a counter that appears only when first
+incremented makes ``rate()`` return nothing, and a dashboard panel stays empty).
+
+What the engine calls, and when:
+  on_arrival(num_prompt_tokens)          a request (one sequence) entered the waiting queue
+  on_step(out, result, seconds, sched)   after each step's result came back
+  on_token(seq, first)                   per sampled token appended to a sequence
+  on_finish(seq, reason)                 a sequence ended: stop | length | abort | error
+  on_preemption(kind, num_seqs)          preemptions other than those in `out.preempted`
+                                         (which on_step counts as recompute), e.g. kind="swap"
+  on_swap(num_blocks_out, num_blocks_in) blocks the scheduler ordered swapped out / in
+  on_prefix_cache(queries, hits)         prompt tokens looked up in the prefix cache / found;
+                                         on_step calls it itself with the growth of the block
+                                         manager's cumulative `prefix_queries` / `prefix_hits`
+                                         counters, so the engine need not (and must not also) call it
+"""
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0)
+# `_created` samples double the exposition and no dashboard uses them
+disable_created_metrics()
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+PREEMPTION_KINDS = ("recompute", "swap")
+SWAP_DIRECTIONS = ("out", "in")
+
+# Bounds wide enough for a GPU (milliseconds) and for a 2-core CPU (tens of seconds).
+REQUEST_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                           160.0, 320.0, 640.0)
+TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0,
+                         10.0, 20.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class EngineStats:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
         self.model_name = model_name
-        self.running = Gauge("pagedserve_num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.waiting = Gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_usage = Gauge("pagedserve_kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)",
-                              labels, registry=r)
-        self.preemptions = Counter("pagedserve_num_preemptions_total", "Preemptions", labels + ["kind"], registry=r)
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens_total", "Prompt tokens received", labels, registry=r)
-        self.generation_tokens = Counter("pagedserve_generation_tokens_total", "Tokens generated", labels, registry=r)
-        self.finished = Counter("pagedserve_request_success_total", "Finished requests by reason",
-                                labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Time between output tokens", labels,
-                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "Arrival to finish", labels,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram("pagedserve_step_duration_seconds", "Round trip of one step to the data plane",
-                                   labels, buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        r, m = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, m, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, m, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        # --- scheduler state (gauges, set after every step) ---
+        self.running = gauge("pagedserve_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("pagedserve_num_requests_waiting", "Requests waiting to be scheduled")
+        self.swapped = gauge("pagedserve_num_requests_swapped", "Requests preempted by swap, KV held in the CPU pool")
+        self.kv_usage = gauge("pagedserve_kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
+        self.cpu_kv_usage = gauge("pagedserve_cpu_kv_cache_usage_perc",
+                                  "Fraction of CPU swap-pool KV blocks in use (0-1; 0 without a swap pool)")
+        # --- counters ---
+        self.received = counter("pagedserve_requests_received_total",
+                                "Requests (sequences) accepted into the waiting queue")
+        self.prompt_tokens = counter("pagedserve_prompt_tokens_total", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("pagedserve_generation_tokens_total", "Tokens generated (sampled)")
+        self.prefix_queries = counter("pagedserve_prefix_cache_queries_total",
+                                      "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("pagedserve_prefix_cache_hits_total",
+                                   "Prompt tokens found in the prefix cache (their KV was reused)")
+        preemptions = Counter("pagedserve_num_preemptions_total",
+                              "Sequences preempted, by kind (recompute: blocks freed, prompt and outputs "
+                              "recomputed later; swap: blocks moved to the CPU pool)", m + ["kind"], registry=r)
+        self.preemptions = {k: preemptions.labels(model_name, k) for k in PREEMPTION_KINDS}
+        swap_blocks = Counter("pagedserve_swap_blocks_total",
+                              "KV blocks the scheduler ordered moved between pools, by direction "
+                              "(out: device to CPU, in: CPU to device)", m + ["direction"], registry=r)
+        self.swap_blocks = {d: swap_blocks.labels(model_name, d) for d in SWAP_DIRECTIONS}
+        finished = Counter("pagedserve_request_success_total", "Finished requests, by finish reason",
+                           m + ["finished_reason"], registry=r)
+        self._finished_family = finished
+        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+        # --- histograms ---
+        self.queue_time = histogram("pagedserve_request_queue_time_seconds",
+                                    "Arrival to first scheduling of a request", REQUEST_LATENCY_BUCKETS)
+        self.ttft = histogram("pagedserve_time_to_first_token_seconds", "Arrival to first generated token",
+                              REQUEST_LATENCY_BUCKETS)
+        self.itl = histogram("pagedserve_inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("pagedserve_e2e_request_latency_seconds", "Arrival to finish of a request",
+                             REQUEST_LATENCY_BUCKETS)
+        self.prompt_len = histogram("pagedserve_request_prompt_tokens", "Prompt length of finished requests",
+                                    TOKEN_COUNT_BUCKETS)
+        self.output_len = histogram("pagedserve_request_generation_tokens",
+                                    "Generated tokens of finished requests", TOKEN_COUNT_BUCKETS)
+        self.step_time = histogram("pagedserve_step_duration_seconds",
+                                   "Round trip of one step plan to the data plane and back", TOKEN_LATENCY_BUCKETS)
         self._generated_since_log = 0
         self._last_token_time: dict[int, float] = {}
+        self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
 
+    # --- called by the engine -------------------------------------------------------------
     def on_arrival(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.received.inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
 
     def on_step(self, out, result, seconds: float, scheduler) -> None:
-        m = self.model_name
-        self.step_time.labels(m).observe(seconds)
+        """`out`: the SchedulerOutput sent; `seconds`: the round trip that just ended."""
+        now = time.monotonic()
+        self.step_time.observe(seconds)
+        step_started = now - seconds
+        for s in out.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = step_started
+                self.queue_time.observe(max(0.0, step_started - s.seq.arrival_time))
         if out.preempted:
-            self.preemptions.labels(m, "recompute").inc(len(out.preempted))
-        self.running.labels(m).set(len(scheduler.running))
-        self.waiting.labels(m).set(len(scheduler.waiting))
-        self.kv_usage.labels(m).set(scheduler.bm.usage())
+            self.preemptions["recompute"].inc(len(out.preempted))
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.swapped.set(len(getattr(scheduler, "swapped", ())))
+        self.kv_usage.set(scheduler.bm.usage())
+        cpu_usage = getattr(scheduler.bm, "cpu_usage", None)  # present once a CPU swap pool exists
+        self.cpu_kv_usage.set(cpu_usage() if cpu_usage is not None else 0.0)
+        queries, hits = getattr(scheduler.bm, "prefix_queries", 0), getattr(scheduler.bm, "prefix_hits", 0)
+        if queries > self._prefix_seen[0]:
+            self.on_prefix_cache(queries - self._prefix_seen[0], hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
 
     def on_token(self, seq, first: bool) -> None:
         now = time.monotonic()
-        m = self.model_name
         if first:
-            self.ttft.labels(m).observe(now - seq.arrival_time)
+            self.ttft.observe(now - seq.arrival_time)
         elif seq.seq_id in self._last_token_time:
-            self.itl.labels(m).observe(now - self._last_token_time[seq.seq_id])
+            self.itl.observe(now - self._last_token_time[seq.seq_id])
         self._last_token_time[seq.seq_id] = now
-        self.generation_tokens.labels(m).inc()
+        self.generation_tokens.inc()
         self._generated_since_log += 1
 
     def on_finish(self, seq, reason: str) -> None:
         self._last_token_time.pop(seq.seq_id, None)
-        self.finished.labels(self.model_name, reason).inc()
-        self.e2e.labels(self.model_name).observe(time.monotonic() - seq.arrival_time)
+        if reason not in self.finished:  # a reason added later still gets counted
+            self.finished[reason] = self._finished_family.labels(self.model_name, reason)
+        self.finished[reason].inc()
+        self.e2e.observe(time.monotonic() - seq.arrival_time)
+        self.prompt_len.observe(seq.num_prompt_tokens)
+        self.output_len.observe(seq.num_output_tokens)
+
+    def on_preemption(self, kind: str, num_seqs: int = 1) -> None:
+        """Preemptions that on_step does not see in `out.preempted` (which it counts as recompute)."""
+        assert kind in self.preemptions, f"unknown preemption kind {kind!r}"
+        self.preemptions[kind].inc(num_seqs)
+
+    def on_swap(self, num_blocks_out: int, num_blocks_in: int) -> None:
+        self.swap_blocks["out"].inc(num_blocks_out)
+        self.swap_blocks["in"].inc(num_blocks_in)
+
+    def on_prefix_cache(self, queries: int, hits: int) -> None:
+        """`queries` prompt tokens looked up, of which `hits` were served from cached blocks."""
+        assert 0 <= hits <= queries, f"{hits} prefix-cache hits for {queries} queried tokens"
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
 
     def take_generated(self) -> int:
         n, self._generated_since_log = self._generated_since_log, 0

@@ -10,6 +10,7 @@ def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager, eos_token_i
     plan = StepPlan(step_id, forget_seq_ids=list(out.forget_seq_ids))
     for s in out.scheduled:
         seq = s.seq
+        plan.copies.extend((src, dst) for _, src, dst in s.growth.copies)
         if s.is_new:
             # sent once in full: every known token (outputs too, after a recompute preemption)
             plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
@@ -17,4 +18,5 @@ def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager, eos_token_i
                                              seq.params.spec(eos_token_ids)))
         else:
             plan.cont_seqs.append((seq.seq_id, s.num_new_tokens, s.new_block_ids))
+            plan.remaps.extend((seq.seq_id, index, dst) for index, _, dst in s.growth.copies)
     return plan

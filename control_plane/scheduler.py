@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from control_plane.block_manager import BlockManager
+from control_plane.block_manager import BlockManager, Growth
 from control_plane.sequence import Sequence, SeqStatus
 
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running sequences can grow
@@ -27,8 +27,12 @@ WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running sequences 
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-    new_block_ids: list[int]   # appended to its table this step
+    growth: Growth             # blocks appended to its table this step, copy-on-write copies
     is_new: bool               # the data plane does not know it: send it in full
+
+    @property
+    def new_block_ids(self) -> list[int]:
+        return self.growth.new_block_ids
 
 
 @dataclass
@@ -102,17 +106,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, f"running sequence {seq.seq_id} has nothing to compute"
-            new_blocks = self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new)
-            while new_blocks is None:
+            if num_new == 0:
+                i += 1   # a beam waiting for the rest of its group to be computed
+                continue
+            growth = self._grow(seq, num_new)
+            while growth is None:
                 victim = self.running[-1]   # latest arrival; never one already scheduled (those sit before i)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                new_blocks = self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new)
-            if new_blocks is None:
+                growth = self._grow(seq, num_new)
+            if growth is None:
                 continue  # seq itself gave way; running[i] is now the next sequence
-            out.scheduled.append(ScheduledSeq(seq, num_new, new_blocks, not seq.known_to_data_plane))
+            out.scheduled.append(ScheduledSeq(seq, num_new, growth, not seq.known_to_data_plane))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
             i += 1
@@ -122,25 +128,40 @@ class Scheduler:
             s.seq.known_to_data_plane = True
         return out
 
+    def _grow(self, seq: Sequence, num_new: int, reserve: int = 0) -> Growth | None:
+        return self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new, write_from=seq.num_computed_tokens,
+                            reserve=reserve)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.seq_id not in self.bm.tables:
+                seq.num_computed_tokens = self.bm.match_prefix(seq.seq_id, seq.token_ids)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            new_blocks = self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new,
-                                      reserve=self.watermark_blocks)
-            if new_blocks is None:
+            growth = self._grow(seq, num_new, reserve=self.watermark_blocks)
+            if growth is None:
+                self.bm.free(seq.seq_id)     # give back the prefix blocks it matched
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new, new_blocks, True))
+            out.scheduled.append(ScheduledSeq(seq, num_new, growth, True))
             budget -= num_new
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares all of the parent's blocks and computed tokens, and runs beside it."""
+        self.bm.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The data plane computed what `out` scheduled."""
         for s in out.scheduled:
             if s.seq.status is SeqStatus.RUNNING:
                 s.seq.num_computed_tokens += s.num_new_tokens
+                self.bm.cache_computed_blocks(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed_tokens)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity()

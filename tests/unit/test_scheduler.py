@@ -4,8 +4,10 @@ from control_plane.scheduler import Scheduler
 from control_plane.sequence import Sequence, SeqStatus
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                   caching=True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=caching), max_num_seqs,
+                     max_num_batched_tokens)
 
 
 def make_seqs(*prompt_lens, max_tokens=8) -> list[Sequence]:
@@ -77,7 +79,7 @@ def test_max_num_seqs_caps_the_batch():
 
 def test_preemption_takes_the_latest_arrival_and_it_resumes_from_scratch():
     # 6 blocks of 4 tokens; two prompts of 8 fill 4 blocks, growth needs more
-    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, caching=False)
     a, b = make_seqs(8, 8)
     sched.add(a)
     sched.add(b)
@@ -131,3 +133,32 @@ def test_abort_of_a_waiting_sequence_needs_no_forget():
     sched.finish(a, "abort")
     assert not sched.has_work()
     assert sched.schedule().is_empty
+
+
+def test_preempted_sequence_resumes_from_its_cached_blocks():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    sched.watermark_blocks = 0
+    a, b = make_seqs(8, 8)
+    b.token_ids = [20 + t for t in b.token_ids]      # different prompts: no sharing between a and b
+    sched.add(a)
+    sched.add(b)
+    for _ in range(5):
+        fake_step(sched)
+    out = fake_step(sched)
+    assert [s.request_id for s in out.preempted] == ["r1"]
+    sched.finish(a, "stop")                           # a's blocks go back to the free list
+    out = fake_step(sched)
+    # b's first two blocks (its prompt) survived in the cache: only its third block is recomputed
+    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r1", 5)]
+    assert sched.bm.prefix_hits == 8
+
+
+def test_shared_prompt_is_computed_once():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    a, b = make_seqs(10, 10)
+    sched.add(a)
+    fake_step(sched)
+    sched.add(b)
+    out = fake_step(sched)
+    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r0", 1), ("r1", 2)]   # 8 of 10 from cache
+    assert sched.bm.block_ids(b.seq_id)[:2] == sched.bm.block_ids(a.seq_id)[:2]
