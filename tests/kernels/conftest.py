@@ -1,0 +1,97 @@
+"""Kernel tests: Triton runs in interpreter mode on CPU, compiled on CUDA.
+
+TRITON_INTERPRET must be set before triton is first imported (@triton.jit picks interpreter or
+compiler when the kernel module is imported), hence at conftest import time.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Tolerances against the float32 reference computed from the same (already rounded) inputs.
+# float32: tl.dot in "ieee" precision; only summation order and exp2 differ (GPU exp2 is the
+#          approximate ex2 instruction) -> 1e-4, still orders of magnitude below an indexing or
+#          masking bug (those are O(0.1..1) errors on unit-variance data).
+# float16: the output is rounded to fp16 (half ulp = 2^-11 relative) and, on GPU, the softmax
+#          probabilities are rounded to fp16 before the P@V tensor-core dot -> 4e-3.
+# bfloat16: 8-bit significand, half ulp = 2^-9 relative (~0.016 absolute for outputs near 4, where
+#          a query that sees few keys copies one value row) plus P rounded to bf16 on GPU -> 2e-2.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+# Elementwise bounds must allow the worst element; over long contexts the outputs are averages of
+# many rows and shrink to ~0.05, where atol alone is loose.  The error norm relative to the output
+# norm is also bounded: rounding noise is ~2^-11 (fp16) / 2^-9 (bf16) relative per element, so
+# these bounds are several times the expected noise and far below any real bug.
+NORM_TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+class PagedBatch:
+    """A random varlen batch over a paged cache with shuffled (non-contiguous) physical blocks."""
+
+    def __init__(self, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                 device=DEVICE, seed=0, spare_blocks=3):
+        device = torch.device(device)
+        gen = torch.Generator(device).manual_seed(seed)  # generate on the device: GPU shapes are big
+        assert all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
+        need = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(need) + spare_blocks  # spare blocks hold garbage nobody may read
+        perm = torch.randperm(num_blocks, generator=gen, device=device).cpu()
+        width = max(need) + 1  # one extra column: entries past a sequence's end must not be read
+        # unused table entries point at a real spare block: reading them would corrupt results
+        tables = torch.full((len(seq_lens), width), int(perm[-1]), dtype=torch.int32)
+        taken = 0
+        for i, n in enumerate(need):
+            tables[i, :n] = perm[taken:taken + n]
+            taken += n
+        self.block_tables = tables.to(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+        self.v_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.query = torch.randn(starts[-1], num_heads, head_dim, generator=gen, device=device).to(dtype)
+        self.scale = head_dim ** -0.5
+        self.max_query_len = max(q_lens)
+
+    def args(self):
+        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+    def reference(self):
+        from ops import reference
+        return reference.paged_attention(self.query.float(), self.k_cache.float(), self.v_cache.float(),
+                                         self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
+
+
+def random_lens(rng, batch, max_context, decode_fraction):
+    """Contexts in 1..max_context; a `decode_fraction` of sequences get q_len 1, others 2..context."""
+    seq_lens = [int(rng.integers(1, max_context + 1)) for _ in range(batch)]
+    q_lens = []
+    for s in seq_lens:
+        if s == 1 or rng.random() < decode_fraction:
+            q_lens.append(1)
+        else:
+            q_lens.append(int(rng.integers(2, s + 1)))
+    return seq_lens, q_lens
+
+
+@pytest.fixture
+def kt():
+    """The helpers above, for test modules (importing a conftest by name is fragile in pytest)."""
+    return SimpleNamespace(PagedBatch=PagedBatch, random_lens=random_lens, tol=TOLERANCES,
+                           norm_tol=NORM_TOLERANCES, device=DEVICE)
