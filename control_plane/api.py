@@ -10,7 +10,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane import __version__
-from control_plane.engine import Engine, RequestOutput, RequestStream
+from control_plane.engine import Engine
+from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError, parse_sampling
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -81,9 +82,10 @@ def _chat_prompt(engine: Engine, body: dict) -> list[int]:
     return list(ids)
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(o.num_prompt_tokens for o in outputs)
-    completion = sum(o.num_output_tokens for o in outputs)
+def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
+    """Prompt tokens once per prompt, completion tokens of every returned choice."""
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    completion = sum(o.num_output_tokens for o in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -105,7 +107,7 @@ class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
 
-    def _start(self, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+    def _start(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         request_id = uuid.uuid4().hex
         # validate every prompt before any is queued: a bad one must not leave the others running
         for ids in prompts:
@@ -131,69 +133,82 @@ class Api:
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise ValidationError("'stream' must be a boolean", "stream", "invalid_type")
+            if stream and (params.use_beam_search or params.best_of > params.n):
+                raise ValidationError("streaming is not available with beam search or best_of > n: the "
+                                      "returned choices are known only at the end", "stream", "unsupported")
             return_ids = bool(body.get("return_token_ids", False))
             if not engine.data_plane_alive:
                 resp = error_response(503, "the data plane is not available", "service_unavailable")
                 resp.headers["Retry-After"] = "5"
                 return resp
-            streams = self._start(prompts, params)
+            requests = self._start(prompts, params)
         except ValidationError as exc:
             return _validation_response(exc)
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": engine.config.model_name}
         try:
             if stream:
-                return await self._stream(request, streams, meta, chat, return_ids)
-            return await self._collect(streams, meta, chat, return_ids)
+                return await self._stream(request, requests, meta, chat, return_ids)
+            return await self._collect(requests, meta, chat, return_ids)
         finally:
-            for s in streams:
-                engine.abort(s)  # no-op for finished ones; a vanished client frees its blocks
+            for r in requests:
+                engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
-    async def _collect(self, streams, meta, chat, return_ids) -> web.Response:
-        async def drain(stream):
-            return [o async for o in stream]
-        results = await asyncio.gather(*(drain(s) for s in streams))
+    async def _collect(self, requests: list[Request], meta, chat, return_ids) -> web.Response:
+        async def drain(req: Request) -> dict[int, list[RequestOutput]]:
+            by_index: dict[int, list[RequestOutput]] = {}
+            async for out in req:
+                if out.index >= 0:
+                    by_index.setdefault(out.index, []).append(out)
+            return by_index
+        results = await asyncio.gather(*(drain(r) for r in requests))
         choices, finals = [], []
-        for index, outputs in enumerate(results):
-            final = outputs[-1]
-            finals.append(final)
-            if final.finish_reason == "error":
-                return error_response(500, final.error or "generation failed", "server_error")
-            text = "".join(o.text for o in outputs)
-            choice = {"index": index, "finish_reason": final.finish_reason,
-                      "logprobs": _logprobs_json(outputs, self.engine.tokenizer, chat)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            if return_ids:
-                choice["token_ids"] = [t for o in outputs for t in o.token_ids]
-            choices.append(choice)
+        n = requests[0].params.n
+        for prompt_index, by_index in enumerate(results):
+            for index in sorted(by_index):
+                outputs = by_index[index]
+                final = outputs[-1]
+                if final.finish_reason == "error":
+                    return error_response(500, final.error or "generation failed", "server_error")
+                finals.append(final)
+                text = "".join(o.text for o in outputs)
+                choice = {"index": prompt_index * n + index, "finish_reason": final.finish_reason,
+                          "logprobs": _logprobs_json(outputs, self.engine.tokenizer, chat)}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                if return_ids:
+                    choice["token_ids"] = [t for o in outputs for t in o.token_ids]
+                choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(finals)})
+        return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(requests, finals)})
 
-    async def _stream(self, request, streams, meta, chat, return_ids) -> web.StreamResponse:
+    async def _stream(self, request, requests: list[Request], meta, chat, return_ids) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        n = requests[0].params.n
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index, stream):
-            async for out in stream:
-                await merged.put((index, out))
+        async def pump(prompt_index: int, req: Request):
+            async for out in req:
+                if out.index >= 0:
+                    await merged.put((prompt_index * n + out.index, out))
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
         finals: dict[int, RequestOutput] = {}
 
         async def send(payload):
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
         try:
+            num_choices = len(requests) * n
             if chat:
-                for i in range(len(streams)):
+                for i in range(num_choices):
                     await send({**meta, "object": obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            while len(finals) < len(streams):
+            while len(finals) < num_choices:
                 index, out = await merged.get()
                 if out.finished:
                     finals[index] = out
@@ -208,7 +223,7 @@ class Api:
                 if out.error:
                     choice["error"] = out.error
                 await send({**meta, "object": obj, "choices": [choice]})
-            await send({**meta, "object": obj, "choices": [], "usage": _usage(list(finals.values()))})
+            await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
             await resp.write(b"data: [DONE]\n\n")
         finally:
             for t in tasks:

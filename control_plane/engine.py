@@ -4,49 +4,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import defaultdict
 
 from control_plane import metrics
+from control_plane.beam_search import BeamSearch
 from control_plane.block_manager import BlockManager
-from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.dp_client import DataPlaneClient, DataPlaneDead
 from control_plane.plan_builder import build_plan
+from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError
 from control_plane.scheduler import Scheduler
-from control_plane.sequence import Sequence
+from control_plane.sequence import Sequence, SeqStatus
 from shared.config import ControlPlaneConfig
 from shared.protocol import Handshake, SampledToken
 
 log = logging.getLogger("pagedserve.control_plane")
 IDLE_PING_SECONDS = 5.0
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one request."""
-    text: str
-    token_ids: list[int]
-    logprobs: list[SampledToken] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None
-
-
-class RequestStream:
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer):
-        self.seq = seq
-        self.detok = detok
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.seq.is_finished and self.queue.empty():
-            raise StopAsyncIteration
-        return await self.queue.get()
 
 
 class Engine:
@@ -62,7 +35,7 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self.streams: dict[int, RequestStream] = {}
+        self.owners: dict[int, Request] = {}   # live sequence id -> its request
         self._wakeup = asyncio.Event()
         self._step_id = 0
         self._stopping = False
@@ -95,20 +68,29 @@ class Engine:
                                   "prompt", "invalid_token_id")
         self.check_length(len(prompt_ids), params.max_tokens)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.validate_request(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params)
-        stream = RequestStream(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop))
-        self.streams[seq.seq_id] = stream
+        req = Request(request_id, prompt_ids, params, self.tokenizer)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, params.spec(self.eos_token_ids))
+        if params.use_beam_search:
+            req.beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, params.max_tokens,
+                                  frozenset(params.stop_ids(self.eos_token_ids)))
+            req.beam.start(seq.seq_id)
+        self._register(req, seq)
         self.scheduler.add(seq)
         self.stats.on_arrival(len(prompt_ids))
         self._wakeup.set()
-        return stream
+        return req
 
-    def abort(self, stream: RequestStream) -> None:
-        seq = stream.seq
-        if not seq.is_finished:
-            self._finish(stream, "abort")
+    def _register(self, req: Request, seq: Sequence) -> None:
+        req.add_seq(seq)
+        self.owners[seq.seq_id] = req
+
+    def abort(self, req: Request) -> None:
+        if not req.finished:
+            for seq in req.live_seqs():
+                self._end_seq(req, seq, "abort")
+            self._close(req)
             self._wakeup.set()
 
     # --- the loop -----------------------------------------------------------------------
@@ -122,7 +104,7 @@ class Engine:
             if not self.scheduler.has_work():
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), IDLE_PING_SECONDS)
+                    await asyncio.wait_for(self._wakeup.wait(), min(IDLE_PING_SECONDS, self.config.log_interval))
                 except asyncio.TimeoutError:
                     await self._guarded(self.client.ping(self.config.step_timeout))
                 continue
@@ -135,8 +117,8 @@ class Engine:
         except DataPlaneDead as exc:
             log.error("%s", exc)
             self.data_plane_alive = False
-            for stream in list(self.streams.values()):
-                self._finish(stream, "error", "the data plane stopped answering")
+            for req in {id(r): r for r in self.owners.values()}.values():
+                self._fail(req, "the data plane stopped answering")
             while not self._stopping:
                 try:
                     await self.client.handshake(IDLE_PING_SECONDS)
@@ -150,58 +132,138 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled and not self.scheduler.running and self.scheduler.waiting and not out.forget_seq_ids:
             # nothing runs and the head of the queue still cannot get its blocks: it never will
-            self._finish(self.streams[self.scheduler.waiting[0].seq_id], "error",
-                         "the request does not fit the KV pool")
+            self._fail(self.owners[self.scheduler.waiting[0].seq_id], "the request does not fit the KV pool")
             return
         self._step_id += 1
-        plan = build_plan(self._step_id, out, self.scheduler.bm, self.eos_token_ids)
+        plan = build_plan(self._step_id, out, self.scheduler.bm)
         started = time.monotonic()
         result = await self.client.step(plan, self.config.step_timeout)
         self.stats.on_step(out, result, time.monotonic() - started, self.scheduler)
         if result.error:
             log.error("step %d failed on the data plane: %s", plan.step_id, result.error)
             for s in out.scheduled:
-                if not s.seq.is_finished:
-                    self._finish(self.streams[s.seq.seq_id], "error", result.error)
+                req = self.owners.get(s.seq.seq_id)
+                if req is not None and not req.finished:
+                    self._fail(req, result.error)
             return
         self.scheduler.on_step_done(out)
-        for sampled in result.sampled:
-            stream = self.streams.get(sampled.seq_id)
-            if stream is not None and not stream.seq.is_finished:
-                self._on_token(stream, sampled)
+        self._apply_result(result.sampled)
 
-    def _on_token(self, stream: RequestStream, sampled: SampledToken) -> None:
-        seq, params = stream.seq, stream.seq.params
+    # --- applying a step's result -------------------------------------------------------
+    def _apply_result(self, sampled: list[SampledToken]) -> None:
+        draws: dict[int, list[SampledToken]] = defaultdict(list)
+        for tok in sampled:
+            draws[tok.seq_id].append(tok)
+        beam_requests = []
+        for seq_id, seq_draws in draws.items():
+            req = self.owners.get(seq_id)
+            if req is None or req.finished or req.seqs[seq_id].is_finished:
+                continue   # aborted while the step ran
+            seq = req.seqs[seq_id]
+            if req.beam is not None:
+                req.beam.report(seq_id, seq_draws[0].top_logprobs)
+                if req.beam.ready() and req not in beam_requests:
+                    beam_requests.append(req)
+                continue
+            for j, draw in enumerate(seq_draws[1:], start=1):
+                # parallel sampling: sample j forks from the prompt the samples share
+                child = Sequence(req.request_id, list(seq.token_ids), seq.num_prompt_tokens, req.params,
+                                 req.params.spec(self.eos_token_ids, draw=j), sample_index=j,
+                                 arrival_time=seq.arrival_time)
+                self._register(req, child)
+                self.scheduler.fork(seq, child)
+                self._on_token(req, child, draw)
+            self._on_token(req, seq, seq_draws[0])
+        for req in beam_requests:
+            self._beam_step(req)
+
+    def _on_token(self, req: Request, seq: Sequence, sampled: SampledToken) -> None:
+        params = req.params
         first = seq.num_output_tokens == 0
         seq.token_ids.append(sampled.token_id)
         seq.cumulative_logprob += sampled.logprob
         self.stats.on_token(seq, first)
-        is_stop_token = (sampled.token_id in params.stop_token_ids
-                         or (not params.ignore_eos and sampled.token_id in self.eos_token_ids))
-        stream.detok.add(sampled.token_id, skip=is_stop_token)
+        detok = req.detoks[seq.sample_index]
+        is_stop_token = sampled.token_id in seq.spec.stop_token_ids
+        detok.add(sampled.token_id, skip=is_stop_token)
         reason = None
-        if is_stop_token and seq.num_output_tokens >= params.min_tokens:
-            reason = "stop"
-        elif seq.num_output_tokens >= params.min_tokens and stream.detok.find_stop():
+        if seq.num_output_tokens >= params.min_tokens and (is_stop_token or detok.find_stop()):
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.hs.max_model_len:
             reason = "length"
         logprobs = [sampled] if params.logprobs is not None else []
+        if not req.buffered:
+            req.emit(RequestOutput(seq.sample_index, detok.take_new_text(reason is not None), [sampled.token_id],
+                                   logprobs, reason is not None, reason, seq.num_prompt_tokens,
+                                   seq.num_output_tokens))
         if reason:
-            self._finish(stream, reason, token_ids=[sampled.token_id], logprobs=logprobs)
-        else:
-            stream.queue.put_nowait(RequestOutput(stream.detok.take_new_text(False), [sampled.token_id], logprobs,
-                                                  num_prompt_tokens=seq.num_prompt_tokens,
-                                                  num_output_tokens=seq.num_output_tokens))
+            self._end_seq(req, seq, reason)
+            if not req.live_seqs():
+                self._complete(req)
 
-    def _finish(self, stream: RequestStream, reason: str, error: str | None = None,
-                token_ids: list[int] | None = None, logprobs: list[SampledToken] | None = None) -> None:
-        seq = stream.seq
+    def _complete(self, req: Request) -> None:
+        """All sequences ended: hand out the chosen ones if they were held back."""
+        if req.buffered and req.beam is None:
+            ranked = sorted(req.seqs.values(), key=lambda s: -s.cumulative_logprob)[:req.params.n]
+            for index, seq in enumerate(ranked):
+                detok = req.detoks[seq.sample_index]
+                req.emit(RequestOutput(index, detok.take_new_text(True), seq.output_token_ids, [], True,
+                                       seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens))
+        self._close(req)
+
+    def _beam_step(self, req: Request) -> None:
+        beam = req.beam
+        live = [s for s in req.live_seqs() if s.seq_id in beam.scores]
+        choices, done = beam.step({s.seq_id: s.output_token_ids for s in live})
+        if done:
+            for seq in live:
+                self._end_seq(req, seq, "beam_done")
+            for index, hyp in enumerate(beam.best(req.params.n)):
+                text = self.tokenizer.decode(hyp.output_ids, skip_special_tokens=True)
+                req.emit(RequestOutput(index, text, hyp.output_ids, [], True, hyp.finish_reason,
+                                       len(req.prompt_ids), len(hyp.output_ids)))
+            self._close(req)
+            return
+        picks: dict[int, list] = defaultdict(list)
+        for choice in choices:
+            picks[choice.parent_seq_id].append(choice)
+        for seq in live:            # dropped beams first: their blocks make room for the copies
+            if not picks[seq.seq_id]:
+                self._end_seq(req, seq, "beam_pruned")
+        for seq in live:
+            mine = picks[seq.seq_id]
+            for extra in mine[1:]:
+                child = Sequence(req.request_id, list(seq.token_ids), seq.num_prompt_tokens, req.params, seq.spec,
+                                 sample_index=len(req.seqs), arrival_time=seq.arrival_time)
+                self._register(req, child)
+                if seq.status is SeqStatus.RUNNING:
+                    self.scheduler.fork(seq, child)      # shares every block, copy-on-write
+                else:
+                    self.scheduler.add(child)            # the parent was preempted: recompute
+                child.token_ids.append(extra.token_id)
+                beam.scores[child.seq_id] = extra.score
+            if mine:
+                seq.token_ids.append(mine[0].token_id)
+                beam.scores[seq.seq_id] = mine[0].score
+
+    def _end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
-        self.streams.pop(seq.seq_id, None)
-        self.stats.on_finish(seq, reason)
-        stream.queue.put_nowait(RequestOutput(stream.detok.take_new_text(True), token_ids or [], logprobs or [],
-                                              True, reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
+        self.owners.pop(seq.seq_id, None)
+        if reason not in ("beam_pruned", "beam_done"):
+            self.stats.on_finish(seq, reason)
+        if error is not None or (reason == "abort" and not req.buffered):
+            detok = req.detoks.get(seq.sample_index)
+            req.emit(RequestOutput(seq.sample_index, detok.take_new_text(True) if detok else "", [], [], True,
+                                   reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
+
+    def _close(self, req: Request) -> None:
+        req.finished = True
+        req.emit(RequestOutput(-1, "", [], [], True, None))   # wakes a reader waiting on the queue
+
+    def _fail(self, req: Request, error: str) -> None:
+        for seq in req.live_seqs():
+            self._end_seq(req, seq, "error", error)
+        self._close(req)
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler
@@ -212,5 +274,5 @@ class Engine:
     async def stop(self) -> None:
         self._stopping = True
         self._wakeup.set()
-        for stream in list(self.streams.values()):
-            self._finish(stream, "abort")
+        for req in {id(r): r for r in self.owners.values()}.values():
+            self.abort(req)

@@ -6,7 +6,7 @@ from control_plane.scheduler import SchedulerOutput
 from shared.protocol import NewSequence, StepPlan
 
 
-def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager, eos_token_ids: list[int]) -> StepPlan:
+def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager) -> StepPlan:
     plan = StepPlan(step_id, forget_seq_ids=list(out.forget_seq_ids))
     for s in out.scheduled:
         seq = s.seq
@@ -15,8 +15,11 @@ def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager, eos_token_i
             # sent once in full: every known token (outputs too, after a recompute preemption)
             plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                                              seq.num_computed_tokens, s.num_new_tokens, bm.block_ids(seq.seq_id),
-                                             seq.params.spec(eos_token_ids)))
+                                             seq.spec))
         else:
-            plan.cont_seqs.append((seq.seq_id, s.num_new_tokens, s.new_block_ids))
+            # a beam's tokens are chosen here: send the ones the data plane has not computed
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start:start + s.num_new_tokens] if seq.spec.beam_width else []
+            plan.cont_seqs.append((seq.seq_id, s.num_new_tokens, s.new_block_ids, tokens))
             plan.remaps.extend((seq.seq_id, index, dst) for index, _, dst in s.growth.copies)
     return plan

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import SamplingSpec
+from shared.protocol import SamplingSpec, draw_seed
 
 
 class ValidationError(ValueError):
@@ -30,14 +30,34 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: not asked; k: the chosen token's and k alternatives
-    n: int = 1
+    n: int = 1                   # choices returned
+    best_of: int = 1             # sequences generated (>= n); with beam search, the beam width
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam scores are divided by (generated length ** length_penalty)
+    early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
 
-    def spec(self, eos_token_ids: list[int]) -> SamplingSpec:
-        """What the data plane's sampler needs; eos ids join the stop ids unless ignore_eos."""
-        stop_ids = list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
-        return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, self.seed,
+    def __post_init__(self):
+        self.best_of = max(self.best_of, self.n)
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of if self.use_beam_search else 0
+
+    def stop_ids(self, eos_token_ids: list[int]) -> list[int]:
+        """Token ids that end a sequence: eos ids join the stop ids unless ignore_eos."""
+        return list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
+
+    def spec(self, eos_token_ids: list[int], draw: int = 0) -> SamplingSpec:
+        """What the data plane's sampler needs for the draw-th sample of this request."""
+        stop_ids = self.stop_ids(eos_token_ids)
+        if self.use_beam_search:
+            # the data plane returns every beam's best (1 + stop ids) * width continuations
+            k = max(2, 1 + len(stop_ids)) * self.best_of
+            return SamplingSpec(temperature=0.0, stop_token_ids=stop_ids, logprobs=k, beam_width=self.best_of)
+        first_draws = self.best_of if draw == 0 else 1
+        return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, draw_seed(self.seed, draw),
                             self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                            self.min_tokens, stop_ids, self.logprobs or 0)
+                            self.min_tokens, stop_ids, self.logprobs or 0, first_draws, 0)
 
 
 def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_open=False):
@@ -72,8 +92,19 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
         raise ValidationError(f"'min_tokens' ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
                               "min_tokens")
     p.n = _number(body, "n", 1, int, lo=1, hi=max_n)
-    if p.n != 1:
-        raise ValidationError("'n' > 1 is not supported yet", "n", "unsupported")
+    p.best_of = _number(body, "best_of", p.n, int, lo=1, hi=max_n)
+    if p.best_of < p.n:
+        raise ValidationError(f"'best_of' ({p.best_of}) must be at least n ({p.n})", "best_of")
+    p.use_beam_search = body.get("use_beam_search", False)
+    if not isinstance(p.use_beam_search, bool):
+        raise ValidationError("'use_beam_search' must be a boolean", "use_beam_search", "invalid_type")
+    p.length_penalty = _number(body, "length_penalty", 1.0, float)
+    early = body.get("early_stopping", False)
+    if early not in (True, False, "never"):
+        raise ValidationError("'early_stopping' must be true, false or \"never\"", "early_stopping")
+    p.early_stopping = early
+    if p.use_beam_search and p.best_of < 2:
+        raise ValidationError("beam search needs a width ('best_of' or 'n') of at least 2", "best_of")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ValidationError("'ignore_eos' must be a boolean", "ignore_eos", "invalid_type")

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from control_plane.sampling_params import SamplingParams
+from shared.protocol import SamplingSpec
 
 _seq_ids = itertools.count()
 
@@ -24,6 +25,8 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    spec: SamplingSpec | None = None    # what the data plane samples with (per parallel sample)
+    sample_index: int = 0               # which of the request's samples (or beams) this is
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SeqStatus = SeqStatus.WAITING

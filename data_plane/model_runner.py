@@ -98,23 +98,28 @@ class ModelRunner:
         for new in plan.new_seqs:
             self._add(new)
             scheduled.append((new.seq_id, new.num_new_tokens))
-        for seq_id, num_new, appended in plan.cont_seqs:
+        for seq_id, num_new, appended, tokens in plan.cont_seqs:
             state = self.seqs.get(seq_id)
             if state is None:
                 raise PlanError(f"plan continues unknown sequence {seq_id}")
             self._check_blocks(appended)
+            self._check_tokens(seq_id, tokens)
             state.block_ids.extend(appended)
+            state.token_ids.extend(tokens)
             scheduled.append((seq_id, num_new))
         for seq_id, index, block in plan.remaps:
             self._check_blocks([block])
             self.seqs[seq_id].block_ids[index] = block
         return scheduled
 
+    def _check_tokens(self, seq_id: int, token_ids) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PlanError(f"sequence {seq_id} has token ids outside the vocabulary: {bad[:5]}")
+
     def _add(self, new: NewSequence) -> None:
         self._check_blocks(new.block_ids)
-        bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise PlanError(f"sequence {new.seq_id} has token ids outside the vocabulary: {bad[:5]}")
+        self._check_tokens(new.seq_id, new.token_ids)
         self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                          list(new.block_ids), new.sampling)
 
@@ -182,11 +187,14 @@ class ModelRunner:
         sample_inputs = []
         for seq_id, _ in sample_rows:
             st = self.seqs[seq_id]
+            first = len(st.token_ids) == st.num_prompt_tokens
             sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
-                                                   st.token_ids[st.num_prompt_tokens:]))
-        outs = sampler.sample(logits, sample_inputs)
+                                                   st.token_ids[st.num_prompt_tokens:],
+                                                   st.sampling.n if first else 1))
         result = []
-        for (seq_id, _), out in zip(sample_rows, outs):
-            self.seqs[seq_id].token_ids.append(out.token_id)
-            result.append(SampledToken(seq_id, out.token_id, out.logprob, out.top_logprobs))
+        for (seq_id, _), draws in zip(sample_rows, sampler.sample(logits, sample_inputs)):
+            st = self.seqs[seq_id]
+            if not st.sampling.beam_width:   # a beam's next token is chosen by the control plane
+                st.token_ids.append(draws[0].token_id)
+            result.extend(SampledToken(seq_id, d.token_id, d.logprob, d.top_logprobs) for d in draws)
         return result, ids.shape[1]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.protocol import SamplingSpec
+from shared.protocol import SamplingSpec, draw_seed
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive seeds apart
 _MASK64 = (1 << 63) - 1
@@ -22,6 +22,7 @@ class SampleRow:
     spec: SamplingSpec
     prompt_ids: list[int]     # for the repetition penalty
     output_ids: list[int]     # tokens generated so far (penalties, min_tokens, seed stream)
+    num_draws: int = 1        # > 1 for the first token of a parallel-sampling request
 
 
 @dataclass
@@ -73,16 +74,16 @@ def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return logits
 
 
-def _draw(probs: torch.Tensor, spec: SamplingSpec, index: int) -> int:
-    seed = spec.seed if spec.seed is not None else random.getrandbits(62)
+def _draw(probs: torch.Tensor, seed: int | None, index: int) -> int:
+    seed = seed if seed is not None else random.getrandbits(62)
     gen = torch.Generator(device=probs.device).manual_seed(_token_seed(seed, index))
     # exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return int(torch.argmax(probs / noise))
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
-    """logits: [rows, vocab] in any float dtype; one SampleRow per logits row."""
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutput]]:
+    """logits: [rows, vocab] in any float dtype; one SampleRow per logits row; per row, its draws."""
     logits = logits.float()
     needs_processing = [r.spec.repetition_penalty != 1.0 or r.spec.presence_penalty or r.spec.frequency_penalty
                         or len(r.output_ids) < r.spec.min_tokens for r in rows]
@@ -95,12 +96,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
     for i, row in enumerate(rows):
         spec = row.spec
         if spec.temperature == 0.0:
-            token = greedy[i]
+            tokens = [greedy[i]] * row.num_draws
         else:
-            token = _draw(_filter(logits[i], spec).softmax(-1), spec, len(row.output_ids))
+            probs = _filter(logits[i], spec).softmax(-1)
+            tokens = [_draw(probs, draw_seed(spec.seed, j), len(row.output_ids)) for j in range(row.num_draws)]
         top: list[tuple[int, float]] = []
         if spec.logprobs > 0:
             values, ids = torch.topk(logprobs[i], spec.logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
-        outputs.append(SampleOutput(token, float(logprobs[i, token]), top))
+        outputs.append([SampleOutput(t, float(logprobs[i, t]), top) for t in tokens])
     return outputs

@@ -74,11 +74,13 @@ class SamplingSpec:
     min_tokens: int = 0               # ban the stop token ids until this many tokens are generated
     stop_token_ids: list[int] = field(default_factory=list)  # banned while below min_tokens
     logprobs: int = 0                 # how many top log-probabilities to return per token (0: none)
+    n: int = 1                        # draws for the first output token (parallel sampling forks after it)
+    beam_width: int = 0               # > 0: a beam; the control plane picks and sends each next token
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.presence_penalty,
                 self.frequency_penalty, self.repetition_penalty, self.min_tokens,
-                list(self.stop_token_ids), self.logprobs]
+                list(self.stop_token_ids), self.logprobs, self.n, self.beam_width]
 
     @classmethod
     def from_wire(cls, body: list) -> "SamplingSpec":
@@ -110,9 +112,10 @@ class NewSequence:
 class StepPlan:
     step_id: int
     new_seqs: list[NewSequence] = field(default_factory=list)
-    # Sequences the data plane knows, as deltas: (seq_id, num_new_tokens, appended block ids).
-    # For a decode step the one new token is the last one the data plane sampled.
-    cont_seqs: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Sequences the data plane knows, as deltas: (seq_id, num_new_tokens, appended block ids,
+    # appended token ids). For a decode step the one new token is the last one the data plane
+    # sampled, and no token is sent; a beam's next token is chosen here and sent.
+    cont_seqs: list[tuple[int, int, list[int], list[int]]] = field(default_factory=list)
     forget_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, device block)
@@ -128,9 +131,16 @@ class StepPlan:
     def from_wire(cls, body: list) -> "StepPlan":
         step_id, new, cont, forget, swap_out, swap_in, copies, remaps = body
         return cls(step_id, [NewSequence.from_wire(s) for s in new],
-                   [(int(a), int(b), list(c)) for a, b, c in cont], list(forget),
+                   [(int(a), int(b), list(c), list(d)) for a, b, c, d in cont], list(forget),
                    [tuple(p) for p in swap_out], [tuple(p) for p in swap_in],
                    [tuple(p) for p in copies], [tuple(r) for r in remaps])
+
+
+def draw_seed(seed: int | None, draw: int) -> int | None:
+    """Seed of the draw-th parallel sample of a seeded request (draw 0 keeps the request's seed)."""
+    if seed is None or draw == 0:
+        return seed
+    return (seed * 6364136223846793005 + draw * 1442695040888963407) & ((1 << 63) - 1)
 
 
 @dataclass

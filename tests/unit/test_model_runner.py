@@ -28,15 +28,16 @@ def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8, caching=T
     """Plays the control plane: scheduler, plans, results, until every sequence has max_tokens outputs."""
     bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=caching)
     sched = Scheduler(bm, max_num_seqs, budget)
-    seqs = [Sequence(f"r{i}", list(p), len(p), SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                     arrival_time=float(i)) for i, p in enumerate(prompts)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    seqs = [Sequence(f"r{i}", list(p), len(p), params, params.spec([]), arrival_time=float(i))
+            for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
     step = 0
     while sched.has_work():
         out = sched.schedule()
         step += 1
-        result = runner.execute(build_plan(step, out, sched.bm, []))
+        result = runner.execute(build_plan(step, out, sched.bm))
         assert result.error is None
         sched.on_step_done(out)
         by_id = {s.seq_id: s for s in seqs}
@@ -87,7 +88,7 @@ def test_paged_greedy_matches_transformers_under_preemption(reference_model):
 def test_runner_refuses_out_of_range_blocks_and_unknown_sequences():
     runner = make_runner(paged_model(seed=0), num_blocks=8)
     with pytest.raises(PlanError):
-        runner.execute(StepPlan(1, cont_seqs=[(123, 1, [])]))
+        runner.execute(StepPlan(1, cont_seqs=[(123, 1, [], [])]))
     from shared.protocol import NewSequence, SamplingSpec
     with pytest.raises(PlanError):
         runner.execute(StepPlan(2, new_seqs=[NewSequence(1, [1, 2], 2, 0, 2, [99], SamplingSpec())]))

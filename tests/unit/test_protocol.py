@@ -9,7 +9,7 @@ def test_step_plan_round_trip():
         step_id=7,
         new_seqs=[P.NewSequence(3, [1, 2, 3, 4], 3, 0, 4, [5, 9],
                                 P.SamplingSpec(temperature=0.7, top_k=5, seed=11, stop_token_ids=[2], logprobs=2))],
-        cont_seqs=[(1, 1, []), (2, 1, [17])],
+        cont_seqs=[(1, 1, [], []), (2, 1, [17], [42])],
         forget_seq_ids=[0],
         swap_out=[(4, 0)], swap_in=[(1, 6)], copies=[(8, 12)], remaps=[(2, 1, 12)])
     kind, back = P.decode(P.encode(P.STEP_PLAN, plan))
@@ -25,8 +25,8 @@ def test_result_and_handshake_round_trip():
 
 
 def test_decode_step_costs_a_few_bytes():
-    # a decode step for 32 known sequences carries only (id, 1, []) per sequence
-    plan = P.StepPlan(100, cont_seqs=[(i, 1, []) for i in range(32)])
+    # a decode step for 32 known sequences carries only (id, 1, [], []) per sequence
+    plan = P.StepPlan(100, cont_seqs=[(i, 1, [], []) for i in range(32)])
     assert len(P.encode(P.STEP_PLAN, plan)) < 200
 
 

@@ -6,6 +6,11 @@ from data_plane.sampler import SampleRow, sample
 from shared.protocol import SamplingSpec
 
 
+def sample_one(logits, rows):
+    """First draw of every row."""
+    return [draws[0] for draws in sample(logits, rows)]
+
+
 def row(**kw) -> SampleRow:
     prompt = kw.pop("prompt", [1, 2, 3])
     output = kw.pop("output", [])
@@ -14,7 +19,7 @@ def row(**kw) -> SampleRow:
 
 def test_greedy_picks_argmax_and_reports_its_logprob():
     logits = torch.tensor([[0.0, 3.0, 1.0, -1.0]])
-    out = sample(logits, [row(temperature=0.0, logprobs=2)])[0]
+    out = sample_one(logits, [row(temperature=0.0, logprobs=2)])[0]
     assert out.token_id == 1
     assert math.isclose(out.logprob, float(torch.log_softmax(logits[0], -1)[1]), rel_tol=1e-6)
     assert [t for t, _ in out.top_logprobs] == [1, 2]
@@ -23,12 +28,12 @@ def test_greedy_picks_argmax_and_reports_its_logprob():
 def test_seeded_sampling_is_independent_of_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
-    alone = [sample(logits[2:3].clone(), [row(temperature=1.0, seed=42, output=[5] * k)])[0].token_id
+    alone = [sample_one(logits[2:3].clone(), [row(temperature=1.0, seed=42, output=[5] * k)])[0].token_id
              for k in range(20)]
     batched = []
     for k in range(20):
         rows = [row(temperature=1.0, seed=s, output=[5] * k) for s in (1, 2, 42, 3)]
-        batched.append(sample(logits.clone(), rows)[2].token_id)
+        batched.append(sample_one(logits.clone(), rows)[2].token_id)
     assert alone == batched
     assert len(set(alone)) > 3   # it really samples, not a constant
 
@@ -37,14 +42,14 @@ def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     counts = [0, 0, 0]
     for k in range(2000):
-        counts[sample(logits.clone(), [row(temperature=1.0, seed=9, output=[0] * k)])[0].token_id] += 1
+        counts[sample_one(logits.clone(), [row(temperature=1.0, seed=9, output=[0] * k)])[0].token_id] += 1
     assert abs(counts[0] / 2000 - 0.7) < 0.04 and abs(counts[2] / 2000 - 0.1) < 0.03
 
 
 def test_top_k_top_p_min_p_restrict_the_choices():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     def drawn(**kw):
-        return {sample(logits.clone(), [row(temperature=1.0, seed=1, output=[0] * k, **kw)])[0].token_id
+        return {sample_one(logits.clone(), [row(temperature=1.0, seed=1, output=[0] * k, **kw)])[0].token_id
                 for k in range(300)}
     assert drawn(top_k=2) == {0, 1}
     assert drawn(top_p=0.75) == {0, 1}      # 0.5 + 0.3 reaches 0.75: token 2 is dropped
@@ -55,15 +60,28 @@ def test_top_k_top_p_min_p_restrict_the_choices():
 def test_min_tokens_bans_stop_tokens_until_reached():
     logits = torch.tensor([[0.0, 0.0, 10.0]])
     spec = dict(temperature=0.0, min_tokens=2, stop_token_ids=[2])
-    assert sample(logits.clone(), [row(output=[0], **spec)])[0].token_id != 2
-    assert sample(logits.clone(), [row(output=[0, 0], **spec)])[0].token_id == 2
+    assert sample_one(logits.clone(), [row(output=[0], **spec)])[0].token_id != 2
+    assert sample_one(logits.clone(), [row(output=[0, 0], **spec)])[0].token_id == 2
 
 
 def test_penalties():
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     # frequency: token 0 generated twice loses 2 * 0.1
-    assert sample(logits.clone(), [row(temperature=0.0, frequency_penalty=0.1, output=[0, 0])])[0].token_id == 1
-    assert sample(logits.clone(), [row(temperature=0.0, presence_penalty=0.05, output=[0])])[0].token_id == 0
-    assert sample(logits.clone(), [row(temperature=0.0, presence_penalty=0.2, output=[0])])[0].token_id == 1
+    assert sample_one(logits.clone(), [row(temperature=0.0, frequency_penalty=0.1, output=[0, 0])])[0].token_id == 1
+    assert sample_one(logits.clone(), [row(temperature=0.0, presence_penalty=0.05, output=[0])])[0].token_id == 0
+    assert sample_one(logits.clone(), [row(temperature=0.0, presence_penalty=0.2, output=[0])])[0].token_id == 1
     # repetition (HF style): positive logits of seen tokens, prompt included, are divided
-    assert sample(logits.clone(), [row(temperature=0.0, repetition_penalty=1.2, prompt=[0])])[0].token_id == 1
+    assert sample_one(logits.clone(), [row(temperature=0.0, repetition_penalty=1.2, prompt=[0])])[0].token_id == 1
+
+
+def test_parallel_draws_use_one_seed_stream_per_sample():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50)
+    first = sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=5), [1], [], num_draws=4)])[0]
+    again = sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=5), [1], [], num_draws=4)])[0]
+    assert [o.token_id for o in first] == [o.token_id for o in again]
+    # draw 0 is what the request alone would draw; draw j what a request seeded with draw_seed(5, j) draws
+    from shared.protocol import draw_seed
+    for j, out in enumerate(first):
+        alone = sample(logits.clone(), [row(temperature=1.0, seed=draw_seed(5, j))])[0][0]
+        assert alone.token_id == out.token_id

@@ -1,0 +1,165 @@
+"""The real engine driving the real model runner in-process (no sockets), on a tiny random Llama:
+beam search equals transformers', parallel samples share and copy blocks, and every test ends
+with the pool intact."""
+import asyncio
+
+import pytest
+import torch
+
+from control_plane.engine import Engine
+from control_plane.sampling_params import SamplingParams
+from data_plane import attention
+from data_plane.model_runner import ModelRunner
+from shared.config import ControlPlaneConfig, DataPlaneConfig
+from tests.factories import tiny_llama
+
+
+class LocalClient:
+    """Stands in for the ZeroMQ client: hands each plan straight to a ModelRunner."""
+    def __init__(self, runner):
+        self.runner = runner
+        self.plans = []
+
+    async def step(self, plan, timeout):
+        self.plans.append(plan)
+        return self.runner.execute(plan)
+
+    async def ping(self, timeout):
+        return None
+
+
+class DigitTokenizer:
+    """Enough of a tokenizer for the engine: ids print as space-separated numbers."""
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
+
+
+def make_engine(num_blocks=64, block_size=4, budget=32, caching=True):
+    model = tiny_llama(attn=attention.register(), seed=0)
+    dp = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
+    runner = ModelRunner(model, dp, torch.device("cpu"))
+    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    client = LocalClient(runner)
+    engine = Engine(cp, client, runner.handshake(), DigitTokenizer())
+    return engine, client
+
+
+async def run_all(engine, jobs):
+    """jobs: (prompt ids, SamplingParams); returns per job {index: final output}, all outputs by index."""
+    reqs = [engine.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(jobs)]
+    while any(not r.finished for r in reqs):
+        await engine.step()
+        engine.scheduler.check_integrity()
+    results = []
+    for r in reqs:
+        by_index = {}
+        while not r.queue.empty():
+            out = r.queue.get_nowait()
+            if out.index >= 0:
+                by_index.setdefault(out.index, []).append(out)
+        results.append({i: [t for o in outs for t in o.token_ids] for i, outs in by_index.items()})
+    return results
+
+
+def assert_pool_clean(engine):
+    bm = engine.scheduler.bm
+    engine.scheduler.check_integrity()
+    assert not bm.tables and bm.num_free_blocks() == bm.pool.num_blocks
+    assert not engine.owners
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_llama(attn="sdpa", seed=0)
+
+
+def hf_beams(model, prompt, width, n, max_tokens, length_penalty=1.0, early_stopping=False):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=n,
+                         max_new_tokens=max_tokens, do_sample=False, length_penalty=length_penalty,
+                         early_stopping=early_stopping)
+    rows = []
+    for row in out[:, len(prompt):].tolist():
+        if 2 in row:                      # cut the padding after the end-of-sequence token
+            row = row[:row.index(2) + 1]
+        rows.append(row)
+    return rows
+
+
+BEAM_PROMPTS = [[1, 17, 90, 4], [1, 300, 301, 302, 303, 304, 305, 306], [1, 5]]
+
+
+@pytest.mark.parametrize("width,length_penalty,early", [(2, 1.0, False), (4, 1.0, False), (4, 0.5, True)])
+def test_beam_search_equals_transformers(reference, width, length_penalty, early):
+    engine, client = make_engine(num_blocks=128)
+    params = SamplingParams(max_tokens=10, temperature=0.0, n=2, best_of=width, use_beam_search=True,
+                            length_penalty=length_penalty, early_stopping=early)
+    results = asyncio.run(run_all(engine, [(p, params) for p in BEAM_PROMPTS]))
+    for prompt, got in zip(BEAM_PROMPTS, results):
+        want = hf_beams(reference, prompt, width, 2, 10, length_penalty, early)
+        assert [got[0], got[1]] == want, prompt
+    assert engine.scheduler.bm.num_cow_copies > 0     # beams forked and then diverged
+    assert_pool_clean(engine)
+
+
+def test_beam_search_under_preemption_still_equals_transformers(reference):
+    # 14 blocks of 4 tokens cannot hold three requests of four beams at once
+    engine, _ = make_engine(num_blocks=14, budget=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0, n=2, best_of=4, use_beam_search=True)
+    results = asyncio.run(run_all(engine, [(p, params) for p in BEAM_PROMPTS]))
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, got in zip(BEAM_PROMPTS, results):
+        assert [got[0], got[1]] == hf_beams(reference, prompt, 4, 2, 10)
+    assert_pool_clean(engine)
+
+
+def test_parallel_samples_share_the_prompt_and_are_reproducible():
+    engine, client = make_engine(num_blocks=64)
+    prompt = list(range(3, 13))        # 10 tokens: 2 full blocks + a partial one
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, n=4, ignore_eos=True)
+    first = asyncio.run(run_all(engine, [(prompt, params)]))[0]
+    assert sorted(first) == [0, 1, 2, 3] and all(len(t) == 8 for t in first.values())
+    assert len({tuple(t) for t in first.values()}) > 1
+    # the prompt was computed once: the plan that forked sent the children with its computed tokens
+    new_seqs = [s for plan in client.plans for s in plan.new_seqs]
+    assert [s.num_computed_tokens for s in new_seqs] == [0, 10, 10, 10]
+    assert engine.scheduler.bm.num_cow_copies == 3   # the partial third block, copied for 3 of 4 writers
+    assert_pool_clean(engine)
+    again = asyncio.run(run_all(engine, [(prompt, params)]))[0]
+    assert again == first
+    assert_pool_clean(engine)
+
+
+def test_best_of_returns_the_n_most_likely():
+    engine, _ = make_engine()
+    prompt = [1, 40, 41]
+    outs = asyncio.run(run_all(engine, [(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=6,
+                                                                ignore_eos=True))]))[0]
+    best = asyncio.run(run_all(engine, [(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2,
+                                                                best_of=6, ignore_eos=True))]))[0]
+    assert sorted(best) == [0, 1]
+    assert best[0] in outs.values() and best[1] in outs.values()
+    assert_pool_clean(engine)
+
+
+def test_abort_while_forked_frees_everything():
+    engine, _ = make_engine()
+
+    async def run():
+        beams = engine.add_request("b", [1, 7, 8, 9, 10], SamplingParams(max_tokens=30, temperature=0.0, n=1,
+                                                                         best_of=3, use_beam_search=True))
+        samples = engine.add_request("s", [1, 7, 8], SamplingParams(max_tokens=30, temperature=1.0, n=3,
+                                                                    ignore_eos=True))
+        for _ in range(4):
+            await engine.step()
+        assert len(engine.scheduler.running) >= 4
+        engine.abort(beams)
+        engine.abort(samples)
+        await engine.step()          # the data plane is told to forget them
+        return beams, samples
+    beams, samples = asyncio.run(run())
+    assert beams.finished and samples.finished
+    assert_pool_clean(engine)
+    assert not engine.scheduler.has_work()
