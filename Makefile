@@ -32,3 +32,9 @@ test-fast: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The compose stack without Docker: data plane + control plane + Prometheus on loopback
+# (needs the `prometheus` binary: apt-get install -y prometheus). Ctrl-C stops everything.
+.PHONY: stack
+stack: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" PORT=$(PORT) deploy/stack.sh

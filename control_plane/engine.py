@@ -90,7 +90,7 @@ class Engine:
         if not req.finished:
             for seq in req.live_seqs():
                 self._end_seq(req, seq, "abort")
-            self._close(req)
+            self._close(req, "abort")
             self._wakeup.set()
 
     # --- the loop -----------------------------------------------------------------------
@@ -182,7 +182,7 @@ class Engine:
         first = seq.num_output_tokens == 0
         seq.token_ids.append(sampled.token_id)
         seq.cumulative_logprob += sampled.logprob
-        self.stats.on_token(seq, first)
+        self.stats.on_token(seq, first and seq.sample_index == 0)   # one first token per request
         detok = req.detoks[seq.sample_index]
         is_stop_token = sampled.token_id in seq.spec.stop_token_ids
         detok.add(sampled.token_id, skip=is_stop_token)
@@ -203,13 +203,15 @@ class Engine:
 
     def _complete(self, req: Request) -> None:
         """All sequences ended: hand out the chosen ones if they were held back."""
-        if req.buffered and req.beam is None:
-            ranked = sorted(req.seqs.values(), key=lambda s: -s.cumulative_logprob)[:req.params.n]
+        ranked = sorted(req.seqs.values(), key=lambda s: -s.cumulative_logprob)[:req.params.n]
+        if req.buffered:
             for index, seq in enumerate(ranked):
                 detok = req.detoks[seq.sample_index]
                 req.emit(RequestOutput(index, detok.take_new_text(True), seq.output_token_ids, [], True,
                                        seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens))
-        self._close(req)
+        else:
+            ranked = sorted(req.seqs.values(), key=lambda s: s.sample_index)
+        self._close(req, ranked[0].finish_reason, sum(s.num_output_tokens for s in ranked))
 
     def _beam_step(self, req: Request) -> None:
         beam = req.beam
@@ -218,11 +220,14 @@ class Engine:
         if done:
             for seq in live:
                 self._end_seq(req, seq, "beam_done")
-            for index, hyp in enumerate(beam.best(req.params.n)):
+            best = beam.best(req.params.n)
+            for index, hyp in enumerate(best):
                 text = self.tokenizer.decode(hyp.output_ids, skip_special_tokens=True)
                 req.emit(RequestOutput(index, text, hyp.output_ids, [], True, hyp.finish_reason,
                                        len(req.prompt_ids), len(hyp.output_ids)))
-            self._close(req)
+            returned = sum(len(h.output_ids) for h in best)
+            self.stats.on_generated(returned)
+            self._close(req, best[0].finish_reason if best else "length", returned)
             return
         picks: dict[int, list] = defaultdict(list)
         for choice in choices:
@@ -249,21 +254,22 @@ class Engine:
     def _end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
         self.owners.pop(seq.seq_id, None)
-        if reason not in ("beam_pruned", "beam_done"):
-            self.stats.on_finish(seq, reason)
+        self.stats.on_seq_end(seq)
         if error is not None or (reason == "abort" and not req.buffered):
             detok = req.detoks.get(seq.sample_index)
             req.emit(RequestOutput(seq.sample_index, detok.take_new_text(True) if detok else "", [], [], True,
                                    reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
 
-    def _close(self, req: Request) -> None:
+    def _close(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
         req.finished = True
+        first_seq = next(iter(req.seqs.values()))
+        self.stats.on_finish(first_seq, reason, num_output_tokens)
         req.emit(RequestOutput(-1, "", [], [], True, None))   # wakes a reader waiting on the queue
 
     def _fail(self, req: Request, error: str) -> None:
         for seq in req.live_seqs():
             self._end_seq(req, seq, "error", error)
-        self._close(req)
+        self._close(req, "error")
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler

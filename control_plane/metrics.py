@@ -112,9 +112,11 @@ class EngineStats:
         self.step_time.observe(seconds)
         step_started = now - seconds
         for s in out.scheduled:
-            if s.seq.first_scheduled_time is None:
-                s.seq.first_scheduled_time = step_started
-                self.queue_time.observe(max(0.0, step_started - s.seq.arrival_time))
+            seq = s.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = step_started
+                if seq.num_output_tokens == 0:   # not a sample or beam forked from a running sequence
+                    self.queue_time.observe(max(0.0, step_started - seq.arrival_time))
         if out.preempted:
             self.preemptions["recompute"].inc(len(out.preempted))
         self.running.set(len(scheduler.running))
@@ -138,14 +140,24 @@ class EngineStats:
         self.generation_tokens.inc()
         self._generated_since_log += 1
 
-    def on_finish(self, seq, reason: str) -> None:
+    def on_seq_end(self, seq) -> None:
+        """A sequence left the batch (its request may go on: parallel samples, beams)."""
+        self._last_token_time.pop(seq.seq_id, None)
+
+    def on_generated(self, num_tokens: int) -> None:
+        """Tokens handed out at the end rather than one by one (beam search)."""
+        self.generation_tokens.inc(num_tokens)
+        self._generated_since_log += num_tokens
+
+    def on_finish(self, seq, reason: str, num_output_tokens: int | None = None) -> None:
+        """A request ended; `seq` is its first sequence, `num_output_tokens` what it returned."""
         self._last_token_time.pop(seq.seq_id, None)
         if reason not in self.finished:  # a reason added later still gets counted
             self.finished[reason] = self._finished_family.labels(self.model_name, reason)
         self.finished[reason].inc()
         self.e2e.observe(time.monotonic() - seq.arrival_time)
         self.prompt_len.observe(seq.num_prompt_tokens)
-        self.output_len.observe(seq.num_output_tokens)
+        self.output_len.observe(seq.num_output_tokens if num_output_tokens is None else num_output_tokens)
 
     def on_preemption(self, kind: str, num_seqs: int = 1) -> None:
         """Preemptions that on_step does not see in `out.preempted` (which it counts as recompute)."""

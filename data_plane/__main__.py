@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loading %s (%s) on %s", config.model, config.dtype, device)
     model = load_model(config, device)
     runner = ModelRunner(model, config, device)
-    Worker(runner, config.listen).serve_forever()
+    from data_plane import metrics
+    stats = metrics.DataPlaneStats(runner.handshake())
+    metrics.start_metrics_server(stats, config.metrics_port, metrics.metrics_host(config.listen))
+    Worker(runner, config.listen, stats).serve_forever()
     return 0
 
 

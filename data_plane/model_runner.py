@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane import attention, kv_pool, sampler
+from ops.attention import use_triton
 from ops.cache_ops import copy_blocks
 from shared.config import DataPlaneConfig, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
@@ -71,8 +72,9 @@ class ModelRunner:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s", self.num_blocks, self.block_size,
-                 self.num_blocks * block_bytes / 2**20, device)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s", self.num_blocks,
+                 self.block_size, self.num_blocks * block_bytes / 2**20, device,
+                 "triton" if use_triton(device) else "torch reference")
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id

@@ -17,8 +17,9 @@ log = logging.getLogger("pagedserve.data_plane")
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, listen: str):
+    def __init__(self, runner: ModelRunner, listen: str, stats=None):
         self.runner = runner
+        self.stats = stats   # data_plane.metrics.DataPlaneStats, or None
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -42,13 +43,17 @@ class Worker:
         elif kind == P.PING:
             self._reply(peer, P.PONG)
         elif kind == P.STEP_PLAN:
+            started = time.perf_counter()
             try:
                 result = self.runner.execute(message)
             except PlanError as exc:
                 log.error("refused plan %d: %s", message.step_id, exc)
                 result = P.StepResult(message.step_id, error=f"bad plan: {exc}")
             self.steps += 1
+            seconds = time.perf_counter() - started
             self._reply(peer, P.STEP_RESULT, result)
+            if self.stats is not None:
+                self.stats.on_step(message, result, seconds)
         elif kind == P.SHUTDOWN:
             log.info("shutdown requested by the control plane")
             return False

@@ -25,7 +25,7 @@ import torch
 from ops import reference
 
 
-def _use_triton(device: torch.device) -> bool:
+def use_triton(device: torch.device) -> bool:
     # PAGEDSERVE_TRITON=1 forces the Triton path (with TRITON_INTERPRET=1 on CPU, for tests);
     # PAGEDSERVE_TRITON=0 forces the torch reference even on CUDA.
     forced = os.environ.get("PAGEDSERVE_TRITON")
@@ -46,7 +46,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     assert key.shape == value.shape and key.dim() == 3, f"key must be [tokens, kv_heads, head_dim], got {tuple(key.shape)}"
     assert key.shape[1:] == k_cache.shape[2:], "key heads/dim do not match the cache"
     assert slot_mapping.shape == (key.shape[0],), "one slot per token"
-    if _use_triton(key.device):
+    if use_triton(key.device):
         from kernels.cache_ops import write_kv_triton
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -68,7 +68,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert query.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of kv heads"
     num_seqs = seq_lens.shape[0]
     assert block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1
-    if _use_triton(query.device):
+    if use_triton(query.device):
         from kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ops import reference
-from ops.attention import _use_triton
+from ops.attention import use_triton
 
 
 def copy_blocks(caches: list[torch.Tensor], src_block_ids: torch.Tensor, dst_block_ids: torch.Tensor) -> None:
@@ -12,7 +12,7 @@ def copy_blocks(caches: list[torch.Tensor], src_block_ids: torch.Tensor, dst_blo
     assert src_block_ids.shape == dst_block_ids.shape and src_block_ids.dim() == 1, "one dst per src"
     if src_block_ids.numel() == 0 or not caches:
         return
-    if _use_triton(caches[0].device):
+    if use_triton(caches[0].device):
         from kernels.cache_ops import copy_blocks_triton
         copy_blocks_triton(caches, src_block_ids, dst_block_ids)
     else:

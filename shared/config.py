@@ -122,7 +122,8 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     parser.add_argument(metrics_flag, dest="metrics_port", type=int, default=DEFAULT_DATA_PLANE_METRICS_PORT,
-                        help="port of the data plane's Prometheus /metrics (0: off)")
+                        metavar="PORT", help="port of the data plane's Prometheus /metrics "
+                                             "(default %(default)s; 0: off)")
 
 
 def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:

@@ -28,8 +28,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(tmp_dir, f"{name}.log")
         self._log = open(self.log_path, "w")
+        # no data-plane metrics port: several test servers run at once
         cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port), "--log-interval", "2",
-               *args]
+               "--data-plane-metrics-port", "0", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
 

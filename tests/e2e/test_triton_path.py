@@ -1,0 +1,49 @@
+"""The data plane with the Triton kernels forced on CPU (Triton's interpreter) gives the same greedy
+tokens as the torch reference path, through HTTP against real processes, on a tiny random Llama."""
+import os
+
+import pytest
+
+from tests.e2e.client import post_many
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, smollm_path):
+    from transformers import AutoTokenizer
+
+    from tests.factories import tiny_llama
+    folder = str(tmp_path_factory.mktemp("tiny-llama"))
+    # vocabulary of the real tokenizer, so the control plane can tokenize and detokenize
+    model = tiny_llama(vocab_size=49152, hidden=256, heads=4, kv_heads=2, layers=2, max_pos=512)
+    model.save_pretrained(folder)
+    tok_dir, gguf = os.path.split(smollm_path)
+    AutoTokenizer.from_pretrained(tok_dir, gguf_file=gguf).save_pretrained(folder)
+    return folder
+
+
+def test_triton_interpreter_path_matches_torch_path(tiny_model_dir, tmp_path):
+    args = ["--model", tiny_model_dir, "--num-threads", "1", "--block-size", "8", "--kv-cache-blocks", "64",
+            "--max-num-batched-tokens", "24"]
+    torch_path = Server("torch-path", args, str(tmp_path), env={"PAGEDSERVE_TRITON": "0"})
+    triton_path = Server("triton-path", args, str(tmp_path), env={"PAGEDSERVE_TRITON": "1", "TRITON_INTERPRET": "1"})
+    try:
+        torch_path.wait_ready()
+        triton_path.wait_ready()
+        # prompts long enough to be chunked (budget 24) and to span partial blocks of 8
+        bodies = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                  for p in ["Hello there, how are you doing today my friend?", "One two three",
+                            "The quick brown fox jumps over the lazy dog again and again and again."]]
+        want = post_many(torch_path.url, "/v1/completions", bodies)
+        got = post_many(triton_path.url, "/v1/completions", bodies)
+        for (s1, d1), (s2, d2) in zip(want, got):
+            assert s1 == s2 == 200, (d1, d2)
+            assert d1["choices"][0]["token_ids"] == d2["choices"][0]["token_ids"]
+            assert len(d1["choices"][0]["token_ids"]) == 6
+        assert "attention ops: triton" in triton_path.log()
+        assert "attention ops: torch reference" in torch_path.log()
+    finally:
+        torch_path.stop()
+        triton_path.stop()
