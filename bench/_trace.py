@@ -1,0 +1,289 @@
+"""Shared by the memory benchmarks: an Alpaca-like synthetic trace, a fake data plane, and a loop
+that drives the REAL control plane (Engine, Scheduler, BlockManager) through the trace.
+
+Why a fake data plane: block sharing, copy-on-write, preemption and prefix hits are all decided
+by the control plane; the data plane only fills the blocks. Replacing the model by a function
+that returns deterministic pseudo-random tokens (and top-k log-probabilities for beams) keeps
+every control-plane decision real while a 2-core CPU runs thousands of steps in seconds.
+
+Trace ("Alpaca-like"): the vLLM paper's Alpaca workload has prompts of 19.31 tokens and outputs
+of 58.45 tokens on average. Lengths here are lognormal with those means (prompt sigma 0.6,
+output sigma 0.8), clipped to [4, 128] and [8, 256]; token ids uniform over the vocabulary;
+arrivals Poisson with `rate` requests per engine step (rate 0: all at step 0). Seeded.
+"ShareGPT-like" does the same with the paper's ShareGPT means (161.31 / 337.99), for contrast.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:            # run as `python bench/x.py`: make the project importable
+    sys.path.insert(0, ROOT)
+
+from control_plane.engine import Engine                          # noqa: E402
+from shared.config import ControlPlaneConfig                     # noqa: E402
+from shared.protocol import Handshake, SampledToken, StepPlan, StepResult  # noqa: E402
+
+EOS_ID = 2
+FIRST_TOKEN_ID = 3                  # 0 pad, 1 bos, 2 eos are never drawn as ordinary tokens
+
+
+@dataclass(frozen=True)
+class Lengths:
+    name: str
+    prompt_mean: float
+    prompt_sigma: float
+    prompt_clip: tuple[int, int]
+    output_mean: float
+    output_sigma: float
+    output_clip: tuple[int, int]   # the upper clip doubles as the requests' max_tokens
+
+    def describe(self) -> str:
+        return (f"{self.name}: prompt ~ lognormal(mean {self.prompt_mean}, sigma {self.prompt_sigma}) clipped "
+                f"{list(self.prompt_clip)}, output ~ lognormal(mean {self.output_mean}, sigma {self.output_sigma}) "
+                f"clipped {list(self.output_clip)}")
+
+
+ALPACA = Lengths("Alpaca-like", 19.31, 0.6, (4, 128), 58.45, 0.8, (8, 256))
+SHAREGPT = Lengths("ShareGPT-like", 161.31, 1.0, (4, 1024), 337.99, 0.8, (8, 1024))
+
+
+@dataclass
+class TraceRequest:
+    arrival_step: int
+    prompt_ids: list[int]
+    output_len: int          # tokens the fake model generates, the final EOS included
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float, clip: tuple[int, int]) -> int:
+    mu = math.log(mean) - sigma * sigma / 2          # so that E[X] = mean before clipping
+    return min(max(round(rng.lognormvariate(mu, sigma)), clip[0]), clip[1])
+
+
+def synthetic_trace(num_requests: int, seed: int, rate: float = 0.0, vocab_size: int = 49152,
+                    prefix: list[int] | None = None, lengths: Lengths = ALPACA) -> list[TraceRequest]:
+    """`prefix`: tokens put before every prompt (a shared system prompt)."""
+    lz = lengths
+    rng = random.Random(seed)
+    trace, clock = [], 0.0
+    for _ in range(num_requests):
+        if rate > 0:
+            clock += rng.expovariate(rate)
+        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size)
+                  for _ in range(_lognormal(rng, lz.prompt_mean, lz.prompt_sigma, lz.prompt_clip))]
+        trace.append(TraceRequest(int(clock), list(prefix or []) + prompt,
+                                  _lognormal(rng, lz.output_mean, lz.output_sigma, lz.output_clip)))
+    return trace
+
+
+@dataclass
+class _SeqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    spec: object
+
+
+class FakeTokenizer:
+    """All the engine needs: an eos id and a decode that is cheap (one character per token)."""
+    eos_token_id = EOS_ID
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)
+
+
+class FakeDataPlane:
+    """Speaks the data plane's contract (see data_plane/model_runner.py) without tensors: keeps the
+    same per-sequence bookkeeping, checks every block table covers what it computes, and samples.
+
+    The fake "model": a parallel sample draws tokens from a generator seeded by (seed, sequence,
+    position); a beam gets the top-k of a random next-token distribution that depends only on the
+    context (last 8 tokens and length), with a random sharpness, so beams compete, fork and die as
+    they do over a real model. A sequence whose prompt is in `answer_len` says EOS when its output
+    reaches that length (the trace's output length)."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 49152, max_model_len: int = 8192,
+                 seed: int = 0):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.vocab_size, self.max_model_len, self.seed = vocab_size, max_model_len, seed
+        self.seqs: dict[int, _SeqState] = {}
+        self.answer_len: dict[tuple, int] = {}
+        self.observer = None                    # called with each plan before it runs
+        self.num_prompt_tokens_computed = 0     # prompt positions computed (recomputes included)
+        self.num_steps = 0
+
+    def handshake(self) -> Handshake:
+        return Handshake("fake", self.vocab_size, 1, 1, 1, "float32", self.block_size, self.num_blocks, 0,
+                         self.max_model_len, "fake", [EOS_ID])
+
+    async def ping(self, timeout):
+        return None
+
+    async def step(self, plan: StepPlan, timeout) -> StepResult:
+        if self.observer is not None:
+            self.observer(plan)
+        self.num_steps += 1
+        for seq_id in plan.forget_seq_ids:
+            self.seqs.pop(seq_id, None)
+        scheduled = []
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = _SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                                              list(new.block_ids), new.sampling)
+            scheduled.append((new.seq_id, new.num_new_tokens))
+        for seq_id, num_new, appended, tokens in plan.cont_seqs:
+            state = self.seqs[seq_id]
+            state.block_ids.extend(appended)
+            state.token_ids.extend(tokens)
+            scheduled.append((seq_id, num_new))
+        for seq_id, index, block in plan.remaps:
+            self.seqs[seq_id].block_ids[index] = block
+        sampled, num_tokens = [], 0
+        for seq_id, num_new in scheduled:
+            st = self.seqs[seq_id]
+            begin, end = st.num_computed_tokens, st.num_computed_tokens + num_new
+            assert 0 < num_new and end <= len(st.token_ids), f"seq {seq_id}: bad chunk {begin}..{end}"
+            assert -(-end // self.block_size) <= len(st.block_ids), f"seq {seq_id}: table too short"
+            assert all(0 <= b < self.num_blocks for b in st.block_ids), f"seq {seq_id}: block id out of range"
+            self.num_prompt_tokens_computed += max(0, min(end, st.num_prompt_tokens) - begin)
+            st.num_computed_tokens = end
+            num_tokens += num_new
+            if end == len(st.token_ids):
+                sampled.extend(self._sample(seq_id, st))
+        return StepResult(plan.step_id, sampled, num_tokens)
+
+    def _sample(self, seq_id: int, st: _SeqState) -> list[SampledToken]:
+        spec = st.spec
+        if spec.beam_width:      # the control plane picks among the candidates and sends the token
+            top = self._candidates(st.token_ids, spec.logprobs)
+            return [SampledToken(seq_id, top[0][0], top[0][1], top)]
+        num_output = len(st.token_ids) - st.num_prompt_tokens
+        draws = spec.n if num_output == 0 else 1
+        target = self.answer_len.get(tuple(st.token_ids[:st.num_prompt_tokens]))
+        out = []
+        for j in range(draws):
+            if target is not None and num_output + 1 >= target:
+                token = EOS_ID
+            else:
+                rng = random.Random(hash((self.seed, seq_id, len(st.token_ids), j)))
+                token = rng.randrange(FIRST_TOKEN_ID, self.vocab_size)
+            out.append(SampledToken(seq_id, token, -1.0))
+        st.token_ids.append(out[0].token_id)      # like the runner: the parent keeps draw 0
+        return out
+
+    def _candidates(self, token_ids: list[int], k: int) -> list[tuple[int, float]]:
+        rng = random.Random(hash((self.seed, len(token_ids), tuple(token_ids[-8:]))))
+        sharpness = rng.uniform(0.5, 4.0)            # confident steps and flat ones
+        logits = sorted((sharpness * rng.gauss(0.0, 1.0) for _ in range(max(k, 32))), reverse=True)
+        norm = max(logits) + math.log(sum(math.exp(z - max(logits)) for z in logits))
+        tokens = rng.sample(range(FIRST_TOKEN_ID, self.vocab_size), k)
+        return [(t, z - norm) for t, z in zip(tokens, logits[:k])]
+
+
+def make_engine(dp, max_num_seqs: int = 256, budget: int = 2048, caching: bool = True, tokenizer=None) -> Engine:
+    cp = ControlPlaneConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                            enable_prefix_caching=caching)
+    return Engine(cp, dp, dp.handshake(), tokenizer or FakeTokenizer())
+
+
+@dataclass
+class StepSample:
+    """The pool as one step's plan found it (tables already grown for the tokens it computes)."""
+    blocks_used: int           # physical blocks referenced by some table
+    blocks_private: int        # what the same sequences would hold with private copies of everything
+    live_tokens: int           # tokens whose KV is held or being written this step
+    num_seqs: int
+    num_requests: int
+
+
+def observe_pool(engine: Engine, samples: list[StepSample]):
+    """An observer for FakeDataPlane: appends one StepSample per plan that computes something."""
+    sched, bm = engine.scheduler, engine.scheduler.bm
+
+    def observe(plan: StepPlan) -> None:
+        new_tokens = {s.seq_id: s.num_new_tokens for s in plan.new_seqs}
+        new_tokens.update({seq_id: n for seq_id, n, _, _ in plan.cont_seqs})
+        if not new_tokens:
+            return
+        covered = [s.num_computed_tokens + new_tokens.get(s.seq_id, 0) for s in sched.running]
+        samples.append(StepSample(bm.pool.num_blocks - bm.num_free_blocks(),
+                                  sum(bm.blocks_needed(c) for c in covered), sum(covered), len(covered),
+                                  len({s.request_id for s in sched.running})))
+    return observe
+
+
+class Progress:
+    """One line on stderr every `every` seconds, so a long run shows it is alive."""
+    def __init__(self, label: str, every: float = 2.0):
+        self.label, self.every, self.last = label, every, time.monotonic()
+
+    def tick(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.every:
+            print(f"  [{self.label}] {text}", file=sys.stderr, flush=True)
+            self.last = now
+
+
+async def drive(engine: Engine, trace: list[TraceRequest], make_params, label: str, on_step=None) -> list:
+    """Feeds the trace to the engine on a step clock (idle steps skip ahead to the next arrival) and
+    steps until every request finished. `make_params(trace_request)` gives its SamplingParams;
+    `on_step(requests)` runs after each step. Returns the engine's Request objects in trace order."""
+    pending = deque(sorted(enumerate(trace), key=lambda it: it[1].arrival_step))
+    requests: list = [None] * len(trace)
+    progress, clock = Progress(label), 0
+    while pending or engine.scheduler.has_work():
+        if not engine.scheduler.has_work() and pending:
+            clock = max(clock, pending[0][1].arrival_step)
+        while pending and pending[0][1].arrival_step <= clock:
+            i, tr = pending.popleft()
+            requests[i] = engine.add_request(f"r{i}", tr.prompt_ids, make_params(tr))
+            requests[i].bench_submitted = time.perf_counter()     # for time-to-first-token
+        await engine.step()
+        if on_step is not None:
+            on_step(requests)
+        clock += 1
+        done = sum(r is not None and r.finished for r in requests)
+        progress.tick(f"step {clock}, {done}/{len(trace)} requests finished")
+    engine.scheduler.check_integrity()
+    bm = engine.scheduler.bm
+    assert not bm.tables and bm.num_free_blocks() == bm.pool.num_blocks, "blocks leaked"
+    failed = [r.request_id for r in requests if any(o.error for o in _drain(r))]
+    assert not failed, f"requests failed: {failed[:5]}"
+    return requests
+
+
+def _drain(req) -> list:
+    outs = []
+    while not req.queue.empty():
+        outs.append(req.queue.get_nowait())
+    return outs
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+@dataclass
+class Table:
+    """A plain text table, printed with aligned columns."""
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def add(self, *cells) -> None:
+        self.rows.append([str(c) for c in cells])
+
+    def render(self) -> str:
+        widths = [max(len(r[i]) for r in [self.header] + self.rows) for i in range(len(self.header))]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()   # noqa: E731
+        return "\n".join([line(self.header), line(["-" * w for w in widths])] + [line(r) for r in self.rows])
