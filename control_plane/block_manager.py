@@ -27,9 +27,11 @@ class Growth:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self.cpu_tables: dict[int, list[Block]] = {}   # swapped-out sequences
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[int, list[Block]] = {}
         # per sequence: (leading blocks already hashed, hash of the last of them)
@@ -47,26 +49,37 @@ class BlockManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def cpu_usage(self) -> float:
+        return self.cpu_pool.usage() if self.cpu_pool else 0.0
+
     def block_ids(self, seq_id: int) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
     # --- growth ---------------------------------------------------------------------
+    def _cow_index(self, table: list[Block], write_from: int | None) -> int | None:
+        """Logical index of a shared block that writing from `write_from` on would touch."""
+        if write_from is None:
+            return None
+        index = write_from // self.block_size
+        if index < len(table) and table[index].ref_count > 1:
+            return index
+        return None
+
+    def blocks_to_grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> int:
+        """Free blocks that grow() would take for the same arguments."""
+        table = self.tables.get(seq_id, [])
+        missing = max(0, self.blocks_needed(num_tokens) - len(table))
+        return missing + (self._cow_index(table, write_from) is not None)
+
     def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None, reserve: int = 0) -> Growth | None:
         """Make the table hold `num_tokens` tokens, writing from position `write_from` on (a shared
         block written into is first copied). Returns what changed, or None, changing nothing, when
         fewer than the blocks needed plus `reserve` are free."""
-        table = self.tables.setdefault(seq_id, [])
-        missing = max(0, self.blocks_needed(num_tokens) - len(table))
-        cow_index = None
-        if write_from is not None and write_from // self.block_size < len(table) \
-                and table[write_from // self.block_size].ref_count > 1:
-            cow_index = write_from // self.block_size
-        needed = missing + (cow_index is not None)
-        if needed + reserve > self.pool.num_free:
-            if not table:
-                del self.tables[seq_id]
+        if self.blocks_to_grow(seq_id, num_tokens, write_from) + reserve > self.pool.num_free:
             return None
+        table = self.tables.setdefault(seq_id, [])
         growth = Growth()
+        cow_index = self._cow_index(table, write_from)
         if cow_index is not None:
             shared = table[cow_index]
             private = self.pool.allocate()
@@ -74,6 +87,7 @@ class BlockManager:
             table[cow_index] = private
             growth.copies.append((cow_index, shared.block_id, private.block_id))
             self.num_cow_copies += 1
+        missing = max(0, self.blocks_needed(num_tokens) - len(table))
         for block in self.pool.allocate_many(missing) or []:
             table.append(block)
             growth.new_block_ids.append(block.block_id)
@@ -90,10 +104,59 @@ class BlockManager:
             self._hashed[child_id] = self._hashed[parent_id]
 
     def free(self, seq_id: int) -> None:
-        """Release the sequence's blocks, last first, so that a prefix's tail is evicted before its head."""
+        """Release the sequence's blocks (device or CPU), last first, so that a prefix's tail is
+        evicted before its head."""
         for block in reversed(self.tables.pop(seq_id, [])):
             self.pool.free(block)
+        for block in reversed(self.cpu_tables.pop(seq_id, [])):
+            self.cpu_pool.free(block)
         self._hashed.pop(seq_id, None)
+
+    # --- swapping -------------------------------------------------------------------------
+    @staticmethod
+    def _unique_blocks(tables: list[list[Block]]) -> int:
+        return len({b.block_id for table in tables for b in table})
+
+    def num_blocks_of(self, seq_ids: list[int], on_cpu: bool = False) -> int:
+        """Distinct blocks held by these sequences (shared ones once)."""
+        tables = self.cpu_tables if on_cpu else self.tables
+        return self._unique_blocks([tables.get(s, []) for s in seq_ids])
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return self.cpu_pool is not None and self.num_blocks_of(seq_ids) <= self.cpu_pool.num_free
+
+    def _move(self, seq_ids, src_tables, dst_tables, src_pool, dst_pool) -> list[tuple[int, int]]:
+        """Moves the tables of a group of sequences to the other pool, keeping their sharing: a block
+        shared by several of them becomes one block, with the same ref count, on the other side."""
+        moved: dict[int, Block] = {}
+        pairs = []
+        for seq_id in seq_ids:
+            new_table = []
+            for block in src_tables.pop(seq_id):
+                target = moved.get(block.block_id)
+                if target is None:
+                    target = dst_pool.allocate()
+                    moved[block.block_id] = target
+                    pairs.append((block.block_id, target.block_id))
+                else:
+                    dst_pool.incref(target)
+                src_pool.free(block)
+                new_table.append(target)
+            dst_tables[seq_id] = new_table
+        return pairs
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """(device block, CPU block) pairs; the caller checked can_swap_out."""
+        assert self.can_swap_out(seq_ids), "not enough free CPU blocks"
+        for seq_id in seq_ids:
+            self._hashed.pop(seq_id, None)   # hashing resumes from scratch after the swap-in
+        return self._move(seq_ids, self.tables, self.cpu_tables, self.pool, self.cpu_pool)
+
+    def swap_in(self, seq_ids: list[int], reserve: int = 0) -> list[tuple[int, int]] | None:
+        """(CPU block, device block) pairs, or None when the device lacks room (plus `reserve`)."""
+        if self.num_blocks_of(seq_ids, on_cpu=True) + reserve > self.pool.num_free:
+            return None
+        return self._move(seq_ids, self.cpu_tables, self.tables, self.cpu_pool, self.pool)
 
     # --- prefix cache -------------------------------------------------------------------
     def _chain(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):
@@ -145,3 +208,7 @@ class BlockManager:
     def check_integrity(self) -> None:
         references = Counter(b.block_id for table in self.tables.values() for b in table)
         self.pool.check_integrity(references)
+        if self.cpu_pool is not None:
+            cpu_refs = Counter(b.block_id for table in self.cpu_tables.values() for b in table)
+            self.cpu_pool.check_integrity(cpu_refs)
+        assert not set(self.tables) & set(self.cpu_tables), "a sequence holds device and CPU blocks at once"

@@ -25,6 +25,9 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--step-timeout", type=float, default=120.0)
     parser.add_argument("--log-interval", type=float, default=5.0)
+    parser.add_argument("--preemption-mode", default="auto", choices=C.PREEMPTION_MODES,
+                        help="how a preempted request gives its blocks back: swap them to CPU memory, drop "
+                             "and recompute them later, or choose per victim by cost (auto)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of common prompt prefixes")
 
@@ -91,7 +94,8 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   served_model_name=args.served_model_name, step_timeout=args.step_timeout,
                                   log_interval=args.log_interval,
-                                  enable_prefix_caching=args.prefix_caching).validate()
+                                  enable_prefix_caching=args.prefix_caching,
+                                  preemption_mode=args.preemption_mode).validate()
         child = None
         if spawn and cp.data_plane is None:
             cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"

@@ -11,6 +11,7 @@ from control_plane.beam_search import BeamSearch
 from control_plane.block_manager import BlockManager
 from control_plane.dp_client import DataPlaneClient, DataPlaneDead
 from control_plane.plan_builder import build_plan
+from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError
 from control_plane.scheduler import Scheduler
@@ -29,8 +30,10 @@ class Engine:
         self.hs = handshake
         self.tokenizer = tokenizer
         block_manager = BlockManager(handshake.num_device_blocks, handshake.block_size,
-                                     enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+                                     enable_prefix_caching=config.enable_prefix_caching,
+                                     num_cpu_blocks=handshake.num_cpu_blocks)
+        self.policy = PreemptionPolicy(config.preemption_mode, PreemptionPolicy.block_bytes_of(handshake))
+        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.policy)
         eos = set(handshake.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -130,15 +133,23 @@ class Engine:
 
     async def step(self) -> None:
         out = self.scheduler.schedule()
-        if not out.scheduled and not self.scheduler.running and self.scheduler.waiting and not out.forget_seq_ids:
+        sched = self.scheduler
+        if out.is_empty and not sched.running and (sched.swapped or sched.waiting):
             # nothing runs and the head of the queue still cannot get its blocks: it never will
-            self._fail(self.owners[self.scheduler.waiting[0].seq_id], "the request does not fit the KV pool")
+            stuck = sched.swapped[0][0] if sched.swapped else sched.waiting[0]
+            self._fail(self.owners[stuck.seq_id], "the request does not fit the KV pool")
             return
         self._step_id += 1
         plan = build_plan(self._step_id, out, self.scheduler.bm)
         started = time.monotonic()
         result = await self.client.step(plan, self.config.step_timeout)
         self.stats.on_step(out, result, time.monotonic() - started, self.scheduler)
+        if out.swapped_out:
+            self.stats.on_preemption("swap", len(out.swapped_out))
+        if out.swap_out or out.swap_in:
+            self.stats.on_swap(len(out.swap_out), len(out.swap_in))
+        self.policy.observe(len(out.swap_out) + len(out.swap_in), result.swap_seconds, result.num_tokens,
+                            result.forward_seconds)
         if result.error:
             log.error("step %d failed on the data plane: %s", plan.step_id, result.error)
             for s in out.scheduled:
@@ -273,9 +284,10 @@ class Engine:
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler
-        log.info("running %d, waiting %d, KV usage %.1f%%, generation %.1f tokens/s, preemptions %d",
-                 len(s.running), len(s.waiting), 100 * s.bm.usage(),
-                 self.stats.take_generated() / max(elapsed, 1e-9), s.num_preemptions)
+        log.info("running %d, waiting %d, swapped %d, KV usage %.1f%% (CPU %.1f%%), generation %.1f tokens/s, "
+                 "preemptions %d recompute / %d swap", len(s.running), len(s.waiting), len(s.swapped),
+                 100 * s.bm.usage(), 100 * s.bm.cpu_usage(), self.stats.take_generated() / max(elapsed, 1e-9),
+                 s.num_preemptions, s.num_swap_preemptions)
 
     async def stop(self) -> None:
         self._stopping = True

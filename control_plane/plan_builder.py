@@ -7,19 +7,23 @@ from shared.protocol import NewSequence, StepPlan
 
 
 def build_plan(step_id: int, out: SchedulerOutput, bm: BlockManager) -> StepPlan:
-    plan = StepPlan(step_id, forget_seq_ids=list(out.forget_seq_ids))
+    plan = StepPlan(step_id, forget_seq_ids=list(out.forget_seq_ids), swap_out=list(out.swap_out),
+                    swap_in=list(out.swap_in))
     for s in out.scheduled:
         seq = s.seq
         plan.copies.extend((src, dst) for _, src, dst in s.growth.copies)
         if s.is_new:
+            seq.num_tokens_sent = seq.num_tokens
             # sent once in full: every known token (outputs too, after a recompute preemption)
             plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                                              seq.num_computed_tokens, s.num_new_tokens, bm.block_ids(seq.seq_id),
                                              seq.spec))
         else:
-            # a beam's tokens are chosen here: send the ones the data plane has not computed
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start:start + s.num_new_tokens] if seq.spec.beam_width else []
+            # a beam's tokens are chosen here: send those the data plane does not have yet
+            tokens = []
+            if seq.spec.beam_width:
+                tokens = seq.token_ids[seq.num_tokens_sent:]
+                seq.num_tokens_sent = seq.num_tokens
             plan.cont_seqs.append((seq.seq_id, s.num_new_tokens, s.new_block_ids, tokens))
             plan.remaps.extend((seq.seq_id, index, dst) for index, _, dst in s.growth.copies)
     return plan

@@ -6,10 +6,12 @@ sequence some of its uncomputed tokens. A prompt is a sequence with many uncompu
 token sampled last step). Each step:
 
   1. running sequences, oldest arrival first, take what they need from the budget; a
-     sequence that cannot get a block makes the latest-arriving unscheduled running
-     sequence give way (preemption by recompute: its blocks are freed, it goes back to the
-     front of the waiting queue and later recomputes prompt and outputs);
-  2. if nothing was preempted, waiting sequences are admitted in order while budget,
+     sequence that cannot get a block makes the latest-arriving unscheduled running request
+     give way (see preemption.py): swapped out to the CPU pool (it keeps its computed
+     tokens) or dropped for recompute (its blocks are freed, it goes back to the front of
+     the waiting queue and later recomputes prompt and outputs);
+  2. if nothing was preempted, swapped requests come back first (swap-in), oldest first;
+  3. then, if none is left swapped, waiting sequences are admitted in order while budget,
      batch size and free blocks (above a small watermark) allow.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from control_plane.block_manager import BlockManager, Growth
+from control_plane.preemption import PreemptionPolicy
 from control_plane.sequence import Sequence, SeqStatus
 
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running sequences can grow
@@ -38,8 +41,11 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)     # dropped for recompute
+    swapped_out: list[Sequence] = field(default_factory=list)   # moved to the CPU pool
     forget_seq_ids: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -47,16 +53,20 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.forget_seq_ids
+        return not self.scheduled and not self.forget_seq_ids and not self.swap_out
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: PreemptionPolicy | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy or PreemptionPolicy("recompute", 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[list[Sequence]] = deque()   # groups of sequences of one request
+        self.num_swap_preemptions = 0
         self._forget: list[int] = []          # seq ids the data plane should drop at the next plan
         self.num_preemptions = 0
         self.watermark_blocks = max(1, int(WATERMARK_FRACTION * block_manager.pool.num_blocks))
@@ -67,7 +77,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._forget)
+        return bool(self.waiting or self.running or self.swapped or self._forget)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence (stop, length, abort, error) wherever it is and frees its blocks."""
@@ -75,12 +85,64 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            group = next(g for g in self.swapped if seq in g)
+            group.remove(seq)
+            if not group:
+                self.swapped.remove(group)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.bm.free(seq.seq_id)
         if seq.known_to_data_plane:
             self._forget.append(seq.seq_id)
             seq.known_to_data_plane = False
+
+    def _group_at(self, index: int) -> list[Sequence]:
+        """The running sequences of one request (parallel samples, beams): contiguous once sorted."""
+        request_id = self.running[index].request_id
+        end = index
+        while end < len(self.running) and self.running[end].request_id == request_id:
+            end += 1
+        return self.running[index:end]
+
+    def _last_group(self) -> list[Sequence]:
+        start = len(self.running) - 1
+        while start > 0 and self.running[start - 1].request_id == self.running[-1].request_id:
+            start -= 1
+        return self.running[start:]
+
+    def _blocks_wanted(self, group: list[Sequence], budget: int) -> int:
+        wanted = 0
+        for seq in group:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            budget -= num_new
+            if num_new:
+                wanted += self.bm.blocks_to_grow(seq.seq_id, seq.num_computed_tokens + num_new,
+                                                 write_from=seq.num_computed_tokens)
+        return wanted
+
+    def _evict(self, group: list[Sequence], out: SchedulerOutput) -> None:
+        """A whole request gives its blocks back: swapped out, or dropped for recompute. Never only
+        part of it: a beam or sample left behind would hold blocks while waiting for the others."""
+        seq_ids = [s.seq_id for s in group]
+        mode = self.policy.choose(group, self.bm.num_blocks_of(seq_ids), self.bm.can_swap_out(seq_ids))
+        if mode == "swap":
+            self._swap_out(group, out)
+        else:
+            for seq in reversed(group):   # appendleft in reverse keeps the group in order
+                self._preempt(seq, out)
+
+    def _swap_out(self, group: list[Sequence], out: SchedulerOutput) -> None:
+        out.swap_out.extend(self.bm.swap_out([s.seq_id for s in group]))
+        for seq in group:
+            self.running.remove(seq)
+            seq.status = SeqStatus.SWAPPED
+            if seq.known_to_data_plane:   # it is sent in full again, with its new blocks, at swap-in
+                out.forget_seq_ids.append(seq.seq_id)
+                seq.known_to_data_plane = False
+        self.swapped.append(group)
+        out.swapped_out.extend(group)
+        self.num_swap_preemptions += len(group)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -100,30 +162,31 @@ class Scheduler:
         out = SchedulerOutput(forget_seq_ids=self._forget)
         self._forget = []
         budget = self.max_num_batched_tokens
-        self.running.sort(key=lambda s: s.arrival_time)
-        scheduled_ids: set[int] = set()
+        self.running.sort(key=lambda s: (s.arrival_time, s.request_id, s.sample_index))
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:
-                i += 1   # a beam waiting for the rest of its group to be computed
-                continue
-            growth = self._grow(seq, num_new)
-            while growth is None:
-                victim = self.running[-1]   # latest arrival; never one already scheduled (those sit before i)
-                self._preempt(victim, out)
-                if victim is seq:
+            group = self._group_at(i)
+            # room for the whole request first; the latest-arriving request gives way, whole
+            while self._blocks_wanted(group, budget) > self.bm.num_free_blocks():
+                victim = self._last_group()
+                self._evict(victim, out)
+                if victim[0] is group[0]:
                     break
+            if group[0].status is not SeqStatus.RUNNING:
+                continue   # the group itself gave way; running[i] is now the next request
+            for seq in group:
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if num_new == 0:
+                    continue   # a beam waiting for the rest of its group, or no budget left
                 growth = self._grow(seq, num_new)
-            if growth is None:
-                continue  # seq itself gave way; running[i] is now the next sequence
-            out.scheduled.append(ScheduledSeq(seq, num_new, growth, not seq.known_to_data_plane))
-            scheduled_ids.add(seq.seq_id)
-            budget -= num_new
-            i += 1
-        if not out.preempted:
-            self._admit(out, budget)
+                assert growth is not None, "room was made for the whole group"
+                out.scheduled.append(ScheduledSeq(seq, num_new, growth, not seq.known_to_data_plane))
+                budget -= num_new
+            i += len(group)
+        if not out.preempted and not out.swapped_out:
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit(out, budget)
         for s in out.scheduled:
             s.seq.known_to_data_plane = True
         return out
@@ -132,9 +195,44 @@ class Scheduler:
         return self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new, write_from=seq.num_computed_tokens,
                             reserve=reserve)
 
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped:
+            group = self.swapped[0]
+            num_new = sum(s.num_tokens - s.num_computed_tokens for s in group)
+            if len(self.running) + len(group) > self.max_num_seqs or num_new > budget:
+                break
+            # room for the blocks, and for one more block (or copy) per sequence this step
+            pairs = self.bm.swap_in([s.seq_id for s in group], reserve=self.watermark_blocks + len(group))
+            if pairs is None:
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(pairs)
+            for seq in group:
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                n = seq.num_tokens - seq.num_computed_tokens
+                if n:
+                    growth = self._grow(seq, n)
+                    assert growth is not None, "swap-in reserved room for growth"
+                    out.scheduled.append(ScheduledSeq(seq, n, growth, True))
+                    budget -= n
+        return budget
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0:
+            head = self.waiting[0]
+            group = [head]
+            for seq in list(self.waiting)[1:]:
+                if seq.request_id != head.request_id:
+                    break
+                group.append(seq)   # a request preempted whole comes back whole
+            if len(self.running) + len(group) > self.max_num_seqs:
+                break
+            if len(group) > 1:
+                needed = sum(self.bm.blocks_needed(s.num_tokens) for s in group)
+                if needed + self.watermark_blocks > self.bm.num_free_blocks():
+                    break
+            seq = head
             if seq.seq_id not in self.bm.tables:
                 seq.num_computed_tokens = self.bm.match_prefix(seq.seq_id, seq.token_ids)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -143,11 +241,13 @@ class Scheduler:
                 self.bm.free(seq.seq_id)     # give back the prefix blocks it matched
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            for member in group:
+                self.waiting.popleft()
+                member.status = SeqStatus.RUNNING
+                self.running.append(member)
             out.scheduled.append(ScheduledSeq(seq, num_new, growth, True))
             budget -= num_new
+            # the rest of a group is scheduled with the running requests from the next step on
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks and computed tokens, and runs beside it."""
@@ -169,3 +269,6 @@ class Scheduler:
         assert set(self.bm.tables) <= live | {s.seq_id for s in self.waiting}, "blocks held by a sequence not queued"
         for seq in self.waiting:
             assert seq.seq_id not in self.bm.tables, f"waiting sequence {seq.seq_id} holds blocks"
+        swapped = {s.seq_id for group in self.swapped for s in group}
+        assert set(self.bm.cpu_tables) == swapped, "CPU blocks held by sequences that are not swapped"
+        assert all(s.status is SeqStatus.SWAPPED for group in self.swapped for s in group)

@@ -15,6 +15,7 @@ _seq_ids = itertools.count()
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -32,6 +33,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     known_to_data_plane: bool = False   # sent in full once; afterwards only deltas
+    num_tokens_sent: int = 0            # beams: tokens the data plane has (it appends no token itself)
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

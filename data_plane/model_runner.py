@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane import attention, kv_pool, sampler
+from data_plane.swap import SwapPool
 from ops.attention import use_triton
 from ops.cache_ops import copy_blocks
 from shared.config import DataPlaneConfig, split_model_path
@@ -65,6 +66,9 @@ class ModelRunner:
                                                     config.kv_cache_gib)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
+        self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
+                                                                   config.swap_space_gib))
+        self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
@@ -83,7 +87,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
         return Handshake(self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
-                         str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks, 0,
+                         str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
+                         self.swap.num_blocks,
                          self.max_model_len, device, eos_ids)
 
     # --- plan bookkeeping -------------------------------------------------------------
@@ -128,7 +133,14 @@ class ModelRunner:
     # --- execution ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        try:
+            self.swap.check(plan.swap_out, plan.swap_in)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         scheduled = self._apply_plan(plan)
+        # swap-out first: a block swapped out may be swapped into, or copied into, this same step
+        self.swap.swap_out(plan.swap_out)
+        self.swap.swap_in(plan.swap_in)
         if plan.copies:
             src, dst = zip(*plan.copies)
             self._check_blocks(src + dst)

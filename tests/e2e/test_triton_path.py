@@ -1,27 +1,11 @@
 """The data plane with the Triton kernels forced on CPU (Triton's interpreter) gives the same greedy
 tokens as the torch reference path, through HTTP against real processes, on a tiny random Llama."""
-import os
-
 import pytest
 
 from tests.e2e.client import post_many
-from tests.e2e.conftest import Server
+from tests.servers import Server
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, smollm_path):
-    from transformers import AutoTokenizer
-
-    from tests.factories import tiny_llama
-    folder = str(tmp_path_factory.mktemp("tiny-llama"))
-    # vocabulary of the real tokenizer, so the control plane can tokenize and detokenize
-    model = tiny_llama(vocab_size=49152, hidden=256, heads=4, kv_heads=2, layers=2, max_pos=512)
-    model.save_pretrained(folder)
-    tok_dir, gguf = os.path.split(smollm_path)
-    AutoTokenizer.from_pretrained(tok_dir, gguf_file=gguf).save_pretrained(folder)
-    return folder
 
 
 def test_triton_interpreter_path_matches_torch_path(tiny_model_dir, tmp_path):

@@ -36,11 +36,12 @@ class DigitTokenizer:
         return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
 
 
-def make_engine(num_blocks=64, block_size=4, budget=32, caching=True):
+def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto"):
     model = tiny_llama(attn=attention.register(), seed=0)
     dp = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
     runner = ModelRunner(model, dp, torch.device("cpu"))
-    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching)
+    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                            preemption_mode=mode)
     client = LocalClient(runner)
     engine = Engine(cp, client, runner.handshake(), DigitTokenizer())
     return engine, client
@@ -104,12 +105,14 @@ def test_beam_search_equals_transformers(reference, width, length_penalty, early
     assert_pool_clean(engine)
 
 
-def test_beam_search_under_preemption_still_equals_transformers(reference):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_under_preemption_still_equals_transformers(reference, mode):
     # 14 blocks of 4 tokens cannot hold three requests of four beams at once
-    engine, _ = make_engine(num_blocks=14, budget=64)
+    engine, _ = make_engine(num_blocks=14, budget=64, mode=mode)
     params = SamplingParams(max_tokens=10, temperature=0.0, n=2, best_of=4, use_beam_search=True)
     results = asyncio.run(run_all(engine, [(p, params) for p in BEAM_PROMPTS]))
-    assert engine.scheduler.num_preemptions > 0
+    sched = engine.scheduler
+    assert sched.num_swap_preemptions > 0    # beam groups are swapped in every mode
     for prompt, got in zip(BEAM_PROMPTS, results):
         assert [got[0], got[1]] == hf_beams(reference, prompt, 4, 2, 10)
     assert_pool_clean(engine)
@@ -163,3 +166,85 @@ def test_abort_while_forked_frees_everything():
     assert beams.finished and samples.finished
     assert_pool_clean(engine)
     assert not engine.scheduler.has_work()
+
+
+def mixed_jobs(seed=0, count=24):
+    """Greedy requests of random lengths, some with parallel samples and some beams."""
+    import random
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        prompt = [1] + [rng.randrange(3, 500) for _ in range(rng.randint(3, 20))]
+        kind = i % 6
+        if kind == 4:
+            params = SamplingParams(max_tokens=rng.randint(4, 12), temperature=0.0, n=2, best_of=3,
+                                    use_beam_search=True)
+        elif kind == 5:
+            params = SamplingParams(max_tokens=rng.randint(4, 12), temperature=0.8, seed=i, n=3, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=bool(i % 2))
+        jobs.append((prompt, params))
+    return jobs
+
+
+def make_swap_engine(num_blocks, mode, num_cpu_blocks=256):
+    model = tiny_llama(attn=attention.register(), seed=0)
+    dp = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=4, kv_cache_blocks=num_blocks,
+                         swap_blocks=num_cpu_blocks)
+    runner = ModelRunner(model, dp, torch.device("cpu"))
+    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=64, preemption_mode=mode)
+    return Engine(cp, LocalClient(runner), runner.handshake(), DigitTokenizer())
+
+
+@pytest.fixture(scope="module")
+def roomy_mixed_outputs():
+    engine = make_swap_engine(1024, "recompute")
+    outputs = asyncio.run(run_all(engine, mixed_jobs()))
+    assert engine.scheduler.num_preemptions == 0 and engine.scheduler.num_swap_preemptions == 0
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_preemption_modes_give_the_outputs_of_a_roomy_pool(roomy_mixed_outputs, mode):
+    engine = make_swap_engine(24, mode)
+    outputs = asyncio.run(run_all(engine, mixed_jobs()))
+    assert outputs == roomy_mixed_outputs
+    sched = engine.scheduler
+    if mode == "swap":
+        assert sched.num_swap_preemptions > 0 and sched.num_preemptions == 0
+    elif mode == "recompute":   # single sequences recompute; groups that share blocks still swap
+        assert sched.num_preemptions > 0
+    else:                        # groups swap; single sequences by cost
+        assert sched.num_swap_preemptions > 0
+    assert_pool_clean(engine)
+    assert not sched.bm.cpu_tables and sched.bm.cpu_pool.num_free == 256
+
+
+def test_abort_of_a_swapped_request_frees_its_cpu_blocks():
+    engine = make_swap_engine(24, "swap")
+
+    async def run():
+        reqs = [engine.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(mixed_jobs(count=12))]
+        for _ in range(200):
+            await engine.step()
+            if engine.scheduler.swapped:
+                break
+        assert engine.scheduler.swapped, "the pool of 24 blocks must swap"
+        group = engine.scheduler.swapped[0]
+        victim = next(r for r in reqs if r.request_id == group[0].request_id)
+        engine.abort(victim)
+        assert all(s.seq_id not in engine.scheduler.bm.cpu_tables for s in group)
+        engine.scheduler.check_integrity()
+        for r in reqs:
+            engine.abort(r)
+        await engine.step()
+    asyncio.run(run())
+    assert_pool_clean(engine)
+    assert engine.scheduler.bm.cpu_pool.num_free == 256
+
+
+def test_swap_is_refused_without_cpu_room_and_falls_back_to_recompute():
+    engine = make_swap_engine(24, "swap", num_cpu_blocks=2)
+    asyncio.run(run_all(engine, mixed_jobs(count=12)))
+    assert engine.scheduler.num_preemptions > 0
+    assert_pool_clean(engine)
