@@ -1,0 +1,239 @@
+"""Offline throughput against the anchors: one fixed, seeded trace, all requests submitted at once.
+
+    python bench/throughput.py                    # 256 requests (a long run on 2 CPU cores)
+    python bench/throughput.py --num-requests 48  # a medium run
+    python bench/throughput.py --quick            # CI-sized: 8 requests of 8 prompt and 8 output tokens
+
+Systems, all on SmolLM2-135M-Instruct in float32, greedy, EOS ignored so every request produces
+exactly its drawn number of tokens:
+  (a) pagedserve through its REST API: a `serve` subprocess, a real aiohttp client, every
+      request in flight at once;
+  (b) transformers' `generate` on static batches in trace order (left-padded; a batch runs until
+      its longest request is done; only each request's own tokens count as output);
+  (c) transformers' continuous batching (`init_continuous_batching`), with the same KV memory
+      (pagedserve's pool in tokens), step budget (512 tokens) and batch size (128) as (a).
+The trace is described in _common.WORKLOADS. Tokens of (a) are checked against (b) and (c).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+os.environ.setdefault("TQDM_DISABLE", "1")   # the GGUF loader's progress bars would swamp the output
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+VOCAB_SIZE = 49152   # SmolLM2's: the trace is drawn before any model is loaded
+GOAL_VS_STATIC, GOAL_VS_HF_CB = 8.0, 3.0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", default="mixed", choices=["mixed", *sorted(C.WORKLOADS)])
+    ap.add_argument("--batch-size", type=int, default=32, help="static batch size of (b)")
+    ap.add_argument("--num-threads", type=int, default=2, help="torch threads of every system")
+    ap.add_argument("--systems", default="abc", help="which of a, b, c to run")
+    ap.add_argument("--cb-page-size", type=int, default=256, help="(c)'s page size in tokens (its default)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="step budget of (a) and (c)")
+    ap.add_argument("--max-num-seqs", type=int, default=128, help="batch size of (a) and (c)")
+    ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.num_requests = 8
+    return args
+
+
+# --- (a) pagedserve over HTTP --------------------------------------------------------------
+async def _complete(session, url, model, prompt, max_tokens) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data}")
+    return data["choices"][0]["token_ids"]
+
+
+async def _run_pagedserve(url: str, trace) -> tuple[float, list[list[int]]]:
+    import aiohttp
+    # limit=0: aiohttp's default of 100 connections would hold back the rest of the trace
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=6 * 3600)) as s:
+        async with s.get(f"{url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]["id"]
+        await _complete(s, url, model, trace[0].prompt_ids[:4], 2)   # warm-up, not timed
+        done = 0
+
+        async def one(req):
+            nonlocal done
+            tokens = await _complete(s, url, model, req.prompt_ids, req.output_len)
+            done += 1
+            C.progress(f"(a) pagedserve: {done}/{len(trace)} requests done")
+            return tokens
+        start = time.perf_counter()
+        outputs = await asyncio.gather(*(one(r) for r in trace))
+        elapsed = time.perf_counter() - start
+    C.progress_done()
+    return elapsed, list(outputs)
+
+
+# --- (b) static batches with transformers' generate ----------------------------------------
+def run_static(model, trace, batch_size: int) -> tuple[float, list[list[int]]]:
+    import torch
+    pad = 0   # masked out: its value does not matter
+
+    def generate(batch):
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):   # left padding: every prompt ends where generation starts
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        longest = max(r.output_len for r in batch)
+        # eos_token_id=None as a keyword: a GenerationConfig object would be merged with the model's EOS
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
+                             eos_token_id=None, pad_token_id=pad)
+        return [out[i, width:width + r.output_len].tolist() for i, r in enumerate(batch)]
+
+    generate(trace[:2])   # warm-up, not timed
+    outputs: list[list[int]] = []
+    batches = [trace[i:i + batch_size] for i in range(0, len(trace), batch_size)]
+    start = time.perf_counter()
+    for k, batch in enumerate(batches):
+        C.progress(f"(b) static batches: batch {k + 1}/{len(batches)} ({len(batch)} requests)")
+        outputs.extend(generate(batch))
+    elapsed = time.perf_counter() - start
+    C.progress_done()
+    return elapsed, outputs
+
+
+# --- (c) transformers' continuous batching -------------------------------------------------
+def run_hf_cb(model, trace, pool_tokens: int, args) -> tuple[float, list[list[int]]]:
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    # eos -1: no stop token, as ignore_eos in (a); without psutil the manager cannot size its
+    # cache from free memory on CPU, so the size is given: the same KV tokens as pagedserve's pool
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                           max_new_tokens=max(r.output_len for r in trace))
+    cb = ContinuousBatchingConfig(page_size=args.cb_page_size, num_blocks=max(1, pool_tokens // args.cb_page_size),
+                                  max_batch_tokens=args.max_num_batched_tokens,
+                                  max_requests_per_batch=args.max_num_seqs, use_cuda_graph=False)
+    with torch.inference_mode():   # the generation thread inherits the caller's inference mode
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        manager.start()
+    try:
+        def wait_for(ids: set[str]) -> dict[str, list[int]]:
+            got = {}
+            while len(got) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        raise RuntimeError("the generation thread stopped: "
+                                           f"{manager.background_thread_status.fatal_error!r}")
+                    continue
+                if result.is_finished() and result.request_id in ids:
+                    if result.error is not None:
+                        raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+                    got[result.request_id] = list(result.generated_tokens)
+                    if len(ids) > 1:
+                        C.progress(f"(c) transformers continuous batching: {len(got)}/{len(ids)} requests done")
+            return got
+        manager.add_request(trace[0].prompt_ids[:4], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
+        wait_for({"warmup"})   # allocates the cache: not timed
+        start = time.perf_counter()
+        for i, r in enumerate(trace):
+            manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.output_len, eos_token_id=-1)
+        got = wait_for({f"r{i}" for i in range(len(trace))})
+        elapsed = time.perf_counter() - start
+        C.progress_done()
+    finally:
+        manager.stop(block=True, timeout=60)
+        manager.destroy()
+    return elapsed, [got[f"r{i}"] for i in range(len(trace))]
+
+
+# --- comparison ----------------------------------------------------------------------------
+def compare(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, list[str]]:
+    """Requests whose tokens differ, and where the first few diverge."""
+    diverged = []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            diverged.append(f"request {i} at token {at}/{len(a)}")
+    return len(diverged), diverged[:5]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        trace = C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload, (8, 8), (8, 8))
+    else:
+        trace = C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload)
+    useful = sum(r.output_len for r in trace)
+    print(C.machine_line(args.num_threads))
+    print(C.cpu_check(args.num_threads))
+    print(f"trace: seed {args.seed}, workload {args.workload}: {C.describe_trace(trace)}")
+    print("model: SmolLM2-135M-Instruct, float32, greedy, EOS ignored; all systems in this run, one after another")
+
+    server = None
+    if "a" in args.systems:   # the data plane loads its model while this process loads its own
+        server = C.ServerProcess(args.num_threads, ["--max-num-seqs", str(args.max_num_seqs),
+                                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
+    model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
+    results: dict[str, tuple[float, list[list[int]]]] = {}
+    failures: dict[str, str] = {}
+    pool_tokens = 1456 * 16   # pagedserve's default CPU pool (1 GiB), when (a) is not run
+    if server is not None:
+        try:
+            server.wait_ready()
+            C.Timer.note("pagedserve ready; running (a)")
+            version = C.get_json(server.url + "/version")
+            pool_tokens = version["num_device_blocks"] * version["block_size"]
+            results["a"] = asyncio.run(_run_pagedserve(server.url, trace))
+        finally:
+            server.stop()   # it must not compete for the CPU with (b) and (c)
+    if "b" in args.systems:
+        C.Timer.note("running (b)")
+        results["b"] = run_static(model, trace, args.batch_size)
+    if "c" in args.systems:
+        C.Timer.note("running (c)")
+        try:
+            results["c"] = run_hf_cb(model, trace, pool_tokens, args)
+        except Exception as exc:   # reported, not hidden: (c) may not run on every machine
+            C.progress_done()
+            failures["c"] = f"{type(exc).__name__}: {exc}"
+
+    names = {"a": "(a) pagedserve, REST API, all requests at once",
+             "b": f"(b) transformers generate, static batches of {args.batch_size}",
+             "c": "(c) transformers continuous batching (generation thread)"}
+    print(f"\n{'system':<58} {'seconds':>9} {'output tok/s':>13}")
+    rate = {}
+    for key in "abc":
+        if key in results:
+            seconds, outputs = results[key]
+            produced = sum(len(o) for o in outputs)
+            assert produced == useful, f"{names[key]} produced {produced} tokens, the trace asks {useful}"
+            rate[key] = useful / seconds
+            print(f"{names[key]:<58} {seconds:>9.1f} {rate[key]:>13.1f}")
+        elif key in failures:
+            print(f"{names[key]:<58} could not run on this machine: {failures[key]}")
+    for key, goal in (("b", GOAL_VS_STATIC), ("c", GOAL_VS_HF_CB)):
+        if "a" in rate and key in rate:
+            ratio = rate["a"] / rate[key]
+            print(f"ratio (a)/({key}): {ratio:.2f}  (goal >= {goal:g}: {'met' if ratio >= goal else 'not met'})")
+    for key in "bc":
+        if "a" in results and key in results:
+            count, where = compare(results["a"][1], results[key][1])
+            detail = f" ({'; '.join(where)}{' ...' if count > len(where) else ''})" if count else ""
+            print(f"token check (a) vs ({key}): {count} of {len(trace)} requests differ{detail}")
+    print(f"benchmark wall time: {time.monotonic() - C.Timer.start:.0f} s (model loads included)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
