@@ -245,7 +245,26 @@ class Api:
         hs = self.engine.hs
         return web.json_response({"version": __version__, "model": self.engine.config.model_name,
                                   "device": hs.device, "dtype": hs.dtype, "block_size": hs.block_size,
-                                  "num_device_blocks": hs.num_device_blocks})
+                                  "num_device_blocks": hs.num_device_blocks, "num_cpu_blocks": hs.num_cpu_blocks,
+                                  "kv_block_bytes": self.engine.policy.block_bytes,
+                                  "preemption_mode": self.engine.config.preemption_mode})
+
+    async def debug_kv(self, request: web.Request) -> web.Response:
+        """Block accounting for operators and stress tests: blocks in use and the integrity check."""
+        sched = self.engine.scheduler
+        try:
+            sched.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = f"violated: {exc}"
+        bm = sched.bm
+        cpu_total = bm.cpu_pool.num_blocks if bm.cpu_pool else 0
+        return web.json_response({
+            "device_blocks": bm.pool.num_blocks, "device_blocks_used": bm.pool.num_blocks - bm.num_free_blocks(),
+            "cpu_blocks": cpu_total, "cpu_blocks_used": cpu_total - (bm.cpu_pool.num_free if bm.cpu_pool else 0),
+            "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
+            "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
+            "integrity": integrity})
 
     async def metrics(self, request: web.Request) -> web.Response:
         data = generate_latest(self.engine.stats.registry)
@@ -274,4 +293,5 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_get("/health", api.health)
     app.router.add_get("/version", api.version)
     app.router.add_get("/metrics", api.metrics)
+    app.router.add_get("/debug/kv", api.debug_kv)
     return app

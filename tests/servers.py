@@ -43,6 +43,11 @@ class Server:
                 time.sleep(0.5)
         raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT}s:\n{self.log()}")
 
+    def log_all(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
     def log(self) -> str:
         self._log.flush()
         with open(self.log_path) as f:
