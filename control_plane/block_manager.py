@@ -49,6 +49,11 @@ class BlockManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    @property
+    def num_shared_blocks(self) -> int:
+        """Device blocks held by more than one sequence (forks, prefix-cache hits)."""
+        return self.pool.num_shared
+
     def cpu_usage(self) -> float:
         return self.cpu_pool.usage() if self.cpu_pool else 0.0
 

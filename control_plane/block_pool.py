@@ -27,6 +27,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, Block] = {}    # block hash -> block holding those tokens
         self.num_evictions = 0
+        self.num_shared = 0                   # blocks with ref count > 1, kept as refs change
 
     @property
     def num_blocks(self) -> int:
@@ -63,10 +64,14 @@ class BlockPool:
         if block.ref_count == 0:
             del self._free[block.block_id]
         block.ref_count += 1
+        if block.ref_count == 2:
+            self.num_shared += 1
 
     def free(self, block: Block) -> None:
         assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
         block.ref_count -= 1
+        if block.ref_count == 1:
+            self.num_shared -= 1
         if block.ref_count == 0:
             self._free[block.block_id] = None
 
@@ -102,3 +107,4 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) is block, f"block {block.block_id}: hash not indexed"
         assert all(b.block_hash == h for h, b in self.cached.items()), "cache index out of date"
+        assert self.num_shared == sum(b.ref_count > 1 for b in self.blocks), "shared-block count out of date"

@@ -78,6 +78,10 @@ class EngineStats:
                               "KV blocks the scheduler ordered moved between pools, by direction "
                               "(out: device to CPU, in: CPU to device)", m + ["direction"], registry=r)
         self.swap_blocks = {d: swap_blocks.labels(model_name, d) for d in SWAP_DIRECTIONS}
+        self.cow_copies = counter("pagedserve_kv_block_copies_total",
+                                  "Copy-on-write copies of a shared KV block (a sample or beam wrote into it)")
+        self.blocks_shared = gauge("pagedserve_kv_blocks_shared",
+                                   "Device KV blocks referenced by more than one sequence")
         finished = Counter("pagedserve_request_success_total", "Finished requests, by finish reason",
                            m + ["finished_reason"], registry=r)
         self._finished_family = finished
@@ -99,7 +103,8 @@ class EngineStats:
                                    "Round trip of one step plan to the data plane and back", TOKEN_LATENCY_BUCKETS)
         self._generated_since_log = 0
         self._last_token_time: dict[int, float] = {}
-        self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
+        self._prefix_seen = (0, 0)
+        self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step   # the block manager's cumulative (queries, hits) at the last step
 
     # --- called by the engine -------------------------------------------------------------
     def on_arrival(self, num_prompt_tokens: int) -> None:
@@ -125,6 +130,11 @@ class EngineStats:
         self.kv_usage.set(scheduler.bm.usage())
         cpu_usage = getattr(scheduler.bm, "cpu_usage", None)  # present once a CPU swap pool exists
         self.cpu_kv_usage.set(cpu_usage() if cpu_usage is not None else 0.0)
+        copies = scheduler.bm.num_cow_copies
+        if copies > self._copies_seen:
+            self.cow_copies.inc(copies - self._copies_seen)
+            self._copies_seen = copies
+        self.blocks_shared.set(scheduler.bm.num_shared_blocks)
         queries, hits = getattr(scheduler.bm, "prefix_queries", 0), getattr(scheduler.bm, "prefix_hits", 0)
         if queries > self._prefix_seen[0]:
             self.on_prefix_cache(queries - self._prefix_seen[0], hits - self._prefix_seen[1])

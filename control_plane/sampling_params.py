@@ -35,6 +35,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam scores are divided by (generated length ** length_penalty)
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
+    priority: int = 0            # lower runs first and is preempted last (as in vLLM)
 
     def __post_init__(self):
         self.best_of = max(self.best_of, self.n)
@@ -88,6 +89,7 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
     p.frequency_penalty = _number(body, "frequency_penalty", 0.0, float, lo=-2.0, hi=2.0)
     p.repetition_penalty = _number(body, "repetition_penalty", 1.0, float, lo=0.0, lo_open=True)
     p.min_tokens = _number(body, "min_tokens", 0, int, lo=0)
+    p.priority = _number(body, "priority", 0, int, lo=-(2**31), hi=2**31 - 1)
     if p.min_tokens > p.max_tokens:
         raise ValidationError(f"'min_tokens' ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
                               "min_tokens")

@@ -6,7 +6,7 @@ sequence some of its uncomputed tokens. A prompt is a sequence with many uncompu
 token sampled last step). Each step:
 
   1. running sequences, oldest arrival first, take what they need from the budget; a
-     sequence that cannot get a block makes the latest-arriving unscheduled running request
+     sequence that cannot get a block makes the lowest-priority, then latest-arriving, running request
      give way (see preemption.py): swapped out to the CPU pool (it keeps its computed
      tokens) or dropped for recompute (its blocks are freed, it goes back to the front of
      the waiting queue and later recomputes prompt and outputs);
@@ -162,7 +162,8 @@ class Scheduler:
         out = SchedulerOutput(forget_seq_ids=self._forget)
         self._forget = []
         budget = self.max_num_batched_tokens
-        self.running.sort(key=lambda s: (s.arrival_time, s.request_id, s.sample_index))
+        # most important first; the last request in this order is the first to give way
+        self.running.sort(key=lambda s: (s.params.priority, s.arrival_time, s.request_id, s.sample_index))
         i = 0
         while i < len(self.running) and budget > 0:
             group = self._group_at(i)

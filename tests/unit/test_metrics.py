@@ -26,6 +26,7 @@ def fake_seq(seq_id: int, arrival: float, num_prompt: int = 5, num_output: int =
 
 
 def fake_scheduler(running=0, waiting=0, usage=0.5, **bm):
+    bm = {"num_cow_copies": 0, "num_shared_blocks": 0, **bm}
     return SimpleNamespace(running=[None] * running, waiting=[None] * waiting,
                            bm=SimpleNamespace(usage=lambda: usage, **bm))
 
@@ -163,3 +164,12 @@ def test_a_taken_metrics_port_is_not_fatal(caplog):
         assert dpm.start_metrics_server(stats, port, "127.0.0.1") is False
     assert "metrics server NOT started" in caplog.text
     assert dpm.start_metrics_server(stats, 0, "127.0.0.1") is False     # 0: off
+
+
+def test_copy_on_write_and_shared_blocks_follow_the_block_manager():
+    stats = EngineStats("m")
+    stats.on_step(step_out(), None, 0.01, fake_scheduler(num_cow_copies=3, num_shared_blocks=2))
+    stats.on_step(step_out(), None, 0.01, fake_scheduler(num_cow_copies=5, num_shared_blocks=0))
+    r = stats.registry
+    assert value(r, "pagedserve_kv_block_copies_total") == 5
+    assert value(r, "pagedserve_kv_blocks_shared") == 0

@@ -162,3 +162,18 @@ def test_shared_prompt_is_computed_once():
     out = fake_step(sched)
     assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r0", 1), ("r1", 2)]   # 8 of 10 from cache
     assert sched.bm.block_ids(b.seq_id)[:2] == sched.bm.block_ids(a.seq_id)[:2]
+
+
+def test_the_lowest_priority_gives_way_before_a_later_arrival():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, caching=False)
+    sched.watermark_blocks = 0
+    a, b = make_seqs(8, 8)
+    a.params = SamplingParams(max_tokens=8, priority=5)   # a arrived first but matters less
+    sched.add(a)
+    sched.add(b)
+    for _ in range(8):
+        out = fake_step(sched)
+        if out.preempted:
+            break
+    assert [s.request_id for s in out.preempted] == ["r0"]
+    assert [r for r, *_ in scheduled(out)] == ["r1"]
