@@ -115,7 +115,7 @@ class Stack:
         self.procs = [
             Proc("data-plane", [sys.executable, "-m", "data_plane", "--listen", address, "--metrics-port",
                                 str(dp_metrics), "--model", model, "--num-threads", "1",
-                                "--kv-cache-blocks", "12"], tmp_dir),
+                                "--kv-cache-blocks", "12", "--swap-space-gib", "0"], tmp_dir),
             Proc("control-plane", [sys.executable, "-m", "control_plane.cli", "control-plane", "--data-plane",
                                    address, "--port", str(cp_port), "--model", model,
                                    "--max-num-batched-tokens", "128", "--log-interval", "2"], tmp_dir),
