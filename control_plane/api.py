@@ -10,18 +10,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane import __version__
+from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.engine import Engine
 from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError, parse_sampling
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", Engine)
-
-
-def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return web.json_response(body, status=status)
 
 
 def _validation_response(exc: ValidationError) -> web.Response:
@@ -138,9 +133,10 @@ class Api:
                                       "returned choices are known only at the end", "stream", "unsupported")
             return_ids = bool(body.get("return_token_ids", False))
             if not engine.data_plane_alive:
-                resp = error_response(503, "the data plane is not available", "service_unavailable")
-                resp.headers["Retry-After"] = "5"
-                return resp
+                return unavailable("the data plane is not available")
+            if len(engine.scheduler.waiting) + len(prompts) > engine.config.max_waiting:
+                return unavailable(f"the server is overloaded: {len(engine.scheduler.waiting)} requests are "
+                                   "waiting already", code="overloaded")
             requests = self._start(prompts, params)
         except ValidationError as exc:
             return _validation_response(exc)
@@ -285,7 +281,10 @@ async def json_errors(request: web.Request, handler):
 
 def make_app(engine: Engine) -> web.Application:
     api = Api(engine)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
+    middlewares = [json_errors]
+    if engine.config.api_key:
+        middlewares.append(require_api_key(engine.config.api_key))
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)

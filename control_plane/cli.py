@@ -28,6 +28,11 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="auto", choices=C.PREEMPTION_MODES,
                         help="how a preempted request gives its blocks back: swap them to CPU memory, drop "
                              "and recompute them later, or choose per victim by cost (auto)")
+    parser.add_argument("--max-waiting", type=int, default=1024,
+                        help="requests allowed to wait; beyond, new ones get 503 with Retry-After")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                             "(default: $PAGEDSERVE_API_KEY)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of common prompt prefixes")
 
@@ -95,7 +100,8 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   served_model_name=args.served_model_name, step_timeout=args.step_timeout,
                                   log_interval=args.log_interval,
                                   enable_prefix_caching=args.prefix_caching,
-                                  preemption_mode=args.preemption_mode).validate()
+                                  preemption_mode=args.preemption_mode, max_waiting=args.max_waiting,
+                                  api_key=args.api_key).validate()
         child = None
         if spawn and cp.data_plane is None:
             cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"

@@ -95,12 +95,16 @@ class ControlPlaneConfig:
     log_interval: float = 5.0         # seconds between progress lines
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"      # auto | swap | recompute
+    max_waiting: int = 1024            # queued requests beyond which new ones get 503 + Retry-After
+    api_key: str | None = None         # required as "Authorization: Bearer" on all but /health, /metrics
 
     def validate(self) -> "ControlPlaneConfig":
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
+        if self.max_waiting < 1:
+            raise ConfigError("--max-waiting must be at least 1")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"--preemption-mode {self.preemption_mode}: choose one of {', '.join(PREEMPTION_MODES)}")
         if not 0 < self.port < 65536:
