@@ -23,7 +23,8 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--step-timeout", type=float, default=120.0)
+    parser.add_argument("--step-timeout", type=float, default=30.0,
+                        help="seconds without an answer from the data plane before it is declared hung")
     parser.add_argument("--log-interval", type=float, default=5.0)
     parser.add_argument("--preemption-mode", default="auto", choices=C.PREEMPTION_MODES,
                         help="how a preempted request gives its blocks back: swap them to CPU memory, drop "
@@ -43,13 +44,36 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
 
 
-def spawn_data_plane(config: C.DataPlaneConfig) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "data_plane", *C.data_plane_argv(config)]
-    log.info("starting the data plane: %s", " ".join(cmd))
-    return subprocess.Popen(cmd)
+class SpawnedDataPlane:
+    """The data-plane process `pagedserve serve` owns: started, watched, restarted, stopped."""
+
+    def __init__(self, config: C.DataPlaneConfig):
+        self.cmd = [sys.executable, "-m", "data_plane", *C.data_plane_argv(config)]
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        log.info("starting the data plane: %s", " ".join(self.cmd))
+        return subprocess.Popen(self.cmd)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    async def restart(self) -> None:
+        """Kills it if it still runs (hung, or stopped: SIGKILL ends both) and starts a new one."""
+        if self.alive():
+            self.proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
+        log.warning("the data plane exited with code %s; restarting it", self.proc.returncode)
+        self.proc = self._start()
+
+    def stop(self) -> None:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
-async def run_server(cp: C.ControlPlaneConfig, child: subprocess.Popen | None) -> None:
+async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -> None:
     from aiohttp import web
 
     from control_plane.api import make_app
@@ -63,13 +87,16 @@ async def run_server(cp: C.ControlPlaneConfig, child: subprocess.Popen | None) -
     handshake_task = asyncio.ensure_future(client.handshake(HANDSHAKE_TIMEOUT))
     while not handshake_task.done():
         await asyncio.wait([handshake_task], timeout=1.0)
-        if child is not None and child.poll() is not None:
+        if child is not None and not child.alive():
             handshake_task.cancel()
-            raise SystemExit(f"the data plane exited with code {child.returncode} before the handshake")
+            raise SystemExit(f"the data plane exited with code {child.proc.returncode} before the handshake")
     hs = handshake_task.result()
     log.info("data plane ready: %s on %s, %s, %d blocks of %d tokens, max length %d", hs.model_id, hs.device,
              hs.dtype, hs.num_device_blocks, hs.block_size, hs.max_model_len)
     engine = Engine(cp, client, hs, await tokenizer_task)
+    if child is not None:
+        client.alive_check = child.alive
+        engine.on_dead = child.restart
     runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, cp.host, cp.port).start()
@@ -105,7 +132,7 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
         child = None
         if spawn and cp.data_plane is None:
             cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"
-            child = spawn_data_plane(C.data_plane_config(args, cp.data_plane))
+            child = SpawnedDataPlane(C.data_plane_config(args, cp.data_plane))
         elif cp.data_plane is None:
             raise C.ConfigError("control-plane needs --data-plane ADDRESS (or use 'pagedserve serve')")
     except C.ConfigError as exc:
@@ -117,10 +144,7 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
         pass
     finally:
         if child is not None:
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+            child.stop()
     return 0
 
 

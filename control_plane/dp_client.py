@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -9,6 +11,7 @@ import zmq.asyncio
 from shared import protocol as P
 
 log = logging.getLogger("pagedserve.control_plane")
+POLL_SLICE_SECONDS = 0.5
 
 
 class DataPlaneDead(RuntimeError):
@@ -18,6 +21,7 @@ class DataPlaneDead(RuntimeError):
 class DataPlaneClient:
     def __init__(self, address: str):
         self.address = address
+        self.alive_check: Callable[[], bool] | None = None   # False once the data-plane process is gone
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = None
         self._connect()
@@ -32,10 +36,16 @@ class DataPlaneClient:
 
     async def _request(self, kind: str, message, expect: str, timeout: float):
         await self.sock.send(P.encode(kind, message))
+        deadline = time.monotonic() + timeout
         while True:
-            if not await self.sock.poll(timeout * 1000):
+            # wait in short slices, so that a data-plane process seen dead ends the wait at once
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (self.alive_check is not None and not self.alive_check()):
                 self._connect()  # drop whatever the dead peer may still send late
-                raise DataPlaneDead(f"no {expect} from the data plane at {self.address} within {timeout:.0f}s")
+                why = f"within {timeout:.0f}s" if remaining <= 0 else "(its process exited)"
+                raise DataPlaneDead(f"no {expect} from the data plane at {self.address} {why}")
+            if not await self.sock.poll(min(remaining, POLL_SLICE_SECONDS) * 1000):
+                continue
             try:
                 got_kind, reply = P.decode(await self.sock.recv())
             except P.ProtocolError as exc:

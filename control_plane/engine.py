@@ -21,6 +21,7 @@ from shared.protocol import Handshake, SampledToken
 
 log = logging.getLogger("pagedserve.control_plane")
 IDLE_PING_SECONDS = 5.0
+RESTART_SECONDS = 300.0   # a restarted data plane loads its model before it answers
 
 
 class Engine:
@@ -43,6 +44,7 @@ class Engine:
         self._step_id = 0
         self._stopping = False
         self.data_plane_alive = True
+        self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
 
     # --- requests ---------------------------------------------------------------------
@@ -114,22 +116,43 @@ class Engine:
             await self._guarded(self.step())
 
     async def _guarded(self, work) -> None:
-        """Runs one exchange with the data plane; if it died, fail what was in flight and wait for it."""
+        """Runs one exchange with the data plane. If it died: restart it when we spawned it, wait
+        until it answers, and re-queue every unfinished sequence for recompute (nothing is lost:
+        sequences keep the tokens they generated and go on from there)."""
         try:
             await work
         except DataPlaneDead as exc:
             log.error("%s", exc)
             self.data_plane_alive = False
-            for req in {id(r): r for r in self.owners.values()}.values():
-                self._fail(req, "the data plane stopped answering")
             while not self._stopping:
+                if self.on_dead is not None:
+                    await self.on_dead()
                 try:
-                    await self.client.handshake(IDLE_PING_SECONDS)
-                    log.info("the data plane answers again")
-                    self.data_plane_alive = True
-                    return
-                except DataPlaneDead:
+                    self.hs = await self.client.handshake(self.config.step_timeout + RESTART_SECONDS)
+                except DataPlaneDead as again:
+                    log.error("%s", again)
                     continue
+                self._requeue_all()
+                self.data_plane_alive = True
+                return
+
+    def _requeue_all(self) -> None:
+        """After a data-plane restart its pool is new and empty: every sequence starts over."""
+        sched = self.scheduler
+        seqs = sched.running + [s for group in sched.swapped for s in group] + list(sched.waiting)
+        sched.bm = BlockManager(self.hs.num_device_blocks, self.hs.block_size,
+                                enable_prefix_caching=self.config.enable_prefix_caching,
+                                num_cpu_blocks=self.hs.num_cpu_blocks)
+        sched.running, sched._forget = [], []
+        sched.swapped.clear()
+        sched.waiting.clear()
+        for seq in sorted(seqs, key=lambda s: (s.params.priority, s.arrival_time, s.request_id, s.sample_index)):
+            seq.status, seq.num_computed_tokens, seq.known_to_data_plane = SeqStatus.WAITING, 0, False
+            sched.waiting.append(seq)
+        for req in {id(r): r for r in self.owners.values()}.values():
+            if req.beam is not None:
+                req.beam.candidates.clear()   # recomputed beams report again
+        log.info("the data plane answers again; %d sequences re-queued for recompute", len(seqs))
 
     async def step(self) -> None:
         out = self.scheduler.schedule()

@@ -91,7 +91,7 @@ class ControlPlaneConfig:
     max_num_seqs: int = 128           # sequences in one batch
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     served_model_name: str | None = None
-    step_timeout: float = 120.0       # seconds without a step result before the data plane is declared dead
+    step_timeout: float = 30.0        # seconds without a step result before the data plane is declared dead
     log_interval: float = 5.0         # seconds between progress lines
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"      # auto | swap | recompute
