@@ -49,6 +49,9 @@ class Worker:
             except PlanError as exc:
                 log.error("refused plan %d: %s", message.step_id, exc)
                 result = P.StepResult(message.step_id, error=f"bad plan: {exc}")
+            except Exception as exc:   # a malformed field, or a fault in the step: answer, never die
+                log.exception("step %d failed", message.step_id)
+                result = P.StepResult(message.step_id, error=f"step failed: {type(exc).__name__}: {exc}")
             self.steps += 1
             seconds = time.perf_counter() - started
             self._reply(peer, P.STEP_RESULT, result)

@@ -1,0 +1,55 @@
+"""The data plane's ZeroMQ loop never dies of a bad frame or a bad plan."""
+import msgpack
+
+from data_plane.model_runner import PlanError
+from data_plane.worker import Worker
+from shared import protocol as P
+
+
+class StubRunner:
+    def __init__(self):
+        self.plans = []
+
+    def handshake(self):
+        return P.Handshake("stub", 10, 1, 1, 8, "float32", 16, 4, 0, 64, "cpu", [2])
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        if plan.cont_seqs:
+            raise PlanError("plan continues unknown sequence 5")
+        if plan.new_seqs:
+            sum(plan.new_seqs[0].token_ids)   # a string where ints belong: TypeError
+        return P.StepResult(plan.step_id)
+
+
+def make_worker(monkeypatch):
+    worker = Worker(StubRunner(), "inproc://worker-test")
+    replies = []
+    monkeypatch.setattr(worker, "_reply", lambda peer, kind, message=None: replies.append((kind, message)))
+    return worker, replies
+
+
+def test_hostile_frames_are_dropped_and_the_loop_goes_on(monkeypatch):
+    worker, replies = make_worker(monkeypatch)
+    for frame in [b"", b"\xff" * 1000, msgpack.packb([99, "plan", []]), msgpack.packb([1, "hello"]),
+                  msgpack.packb([P.PROTOCOL_VERSION, "plan", {"not": "a list"}]),
+                  msgpack.packb([P.PROTOCOL_VERSION, "rm -rf", None])]:
+        assert worker.handle(b"peer", frame) is True
+    assert replies == []
+    assert worker.handle(b"peer", P.encode(P.HELLO)) is True
+    assert replies[0][0] == P.HANDSHAKE and replies[0][1].model_id == "stub"
+    worker.sock.close(0)
+
+
+def test_a_bad_plan_gets_an_error_result_not_a_crash(monkeypatch):
+    worker, replies = make_worker(monkeypatch)
+    assert worker.handle(b"peer", P.encode(P.STEP_PLAN, P.StepPlan(3, cont_seqs=[(5, 1, [], [])])))
+    kind, result = replies[-1]
+    assert kind == P.STEP_RESULT and result.step_id == 3 and "unknown sequence" in result.error
+    assert worker.handle(b"peer", P.encode(P.STEP_PLAN, P.StepPlan(4)))
+    assert replies[-1][1].error is None
+    typed_wrong = P.NewSequence(1, "abc", 3, 0, 3, [0], P.SamplingSpec())
+    assert worker.handle(b"peer", P.encode(P.STEP_PLAN, P.StepPlan(5, new_seqs=[typed_wrong])))
+    assert replies[-1][1].step_id == 5 and "TypeError" in replies[-1][1].error
+    assert worker.handle(b"peer", P.encode(P.SHUTDOWN)) is False
+    worker.sock.close(0)
