@@ -263,6 +263,7 @@ class Api:
             "integrity": integrity})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.engine.stats.refresh_gauges(self.engine.scheduler)
         data = generate_latest(self.engine.stats.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

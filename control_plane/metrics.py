@@ -124,12 +124,7 @@ class EngineStats:
                     self.queue_time.observe(max(0.0, step_started - seq.arrival_time))
         if out.preempted:
             self.preemptions["recompute"].inc(len(out.preempted))
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.swapped.set(len(getattr(scheduler, "swapped", ())))
-        self.kv_usage.set(scheduler.bm.usage())
-        cpu_usage = getattr(scheduler.bm, "cpu_usage", None)  # present once a CPU swap pool exists
-        self.cpu_kv_usage.set(cpu_usage() if cpu_usage is not None else 0.0)
+        self.refresh_gauges(scheduler)
         copies = scheduler.bm.num_cow_copies
         if copies > self._copies_seen:
             self.cow_copies.inc(copies - self._copies_seen)
@@ -139,6 +134,16 @@ class EngineStats:
         if queries > self._prefix_seen[0]:
             self.on_prefix_cache(queries - self._prefix_seen[0], hits - self._prefix_seen[1])
             self._prefix_seen = (queries, hits)
+
+    def refresh_gauges(self, scheduler) -> None:
+        """Queue sizes and pool usage now: after every step, and at every scrape (requests finish
+        and free their blocks between steps)."""
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.swapped.set(len(getattr(scheduler, "swapped", ())))
+        self.kv_usage.set(scheduler.bm.usage())
+        cpu_usage = getattr(scheduler.bm, "cpu_usage", None)  # present once a CPU swap pool exists
+        self.cpu_kv_usage.set(cpu_usage() if cpu_usage is not None else 0.0)
 
     def on_token(self, seq, first: bool) -> None:
         now = time.monotonic()

@@ -1,4 +1,6 @@
 """The data plane's ZeroMQ loop never dies of a bad frame or a bad plan."""
+import uuid
+
 import msgpack
 
 from data_plane.model_runner import PlanError
@@ -23,7 +25,7 @@ class StubRunner:
 
 
 def make_worker(monkeypatch):
-    worker = Worker(StubRunner(), "inproc://worker-test")
+    worker = Worker(StubRunner(), f"inproc://worker-test-{uuid.uuid4().hex}")   # inproc names outlive close()
     replies = []
     monkeypatch.setattr(worker, "_reply", lambda peer, kind, message=None: replies.append((kind, message)))
     return worker, replies
