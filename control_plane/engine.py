@@ -138,21 +138,13 @@ class Engine:
 
     def _requeue_all(self) -> None:
         """After a data-plane restart its pool is new and empty: every sequence starts over."""
-        sched = self.scheduler
-        seqs = sched.running + [s for group in sched.swapped for s in group] + list(sched.waiting)
-        sched.bm = BlockManager(self.hs.num_device_blocks, self.hs.block_size,
-                                enable_prefix_caching=self.config.enable_prefix_caching,
-                                num_cpu_blocks=self.hs.num_cpu_blocks)
-        sched.running, sched._forget = [], []
-        sched.swapped.clear()
-        sched.waiting.clear()
-        for seq in sorted(seqs, key=lambda s: (s.params.priority, s.arrival_time, s.request_id, s.sample_index)):
-            seq.status, seq.num_computed_tokens, seq.known_to_data_plane = SeqStatus.WAITING, 0, False
-            sched.waiting.append(seq)
+        num_seqs = self.scheduler.restart(BlockManager(
+            self.hs.num_device_blocks, self.hs.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
+            num_cpu_blocks=self.hs.num_cpu_blocks))
         for req in {id(r): r for r in self.owners.values()}.values():
             if req.beam is not None:
                 req.beam.candidates.clear()   # recomputed beams report again
-        log.info("the data plane answers again; %d sequences re-queued for recompute", len(seqs))
+        log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:
         out = self.scheduler.schedule()

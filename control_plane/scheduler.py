@@ -26,6 +26,11 @@ from control_plane.sequence import Sequence, SeqStatus
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running sequences can grow
 
 
+def run_order(seq: Sequence) -> tuple:
+    """Priority, then arrival; the sequences of one request stay together."""
+    return seq.params.priority, seq.arrival_time, seq.request_id, seq.sample_index
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -163,7 +168,7 @@ class Scheduler:
         self._forget = []
         budget = self.max_num_batched_tokens
         # most important first; the last request in this order is the first to give way
-        self.running.sort(key=lambda s: (s.params.priority, s.arrival_time, s.request_id, s.sample_index))
+        self.running.sort(key=run_order)
         i = 0
         while i < len(self.running) and budget > 0:
             group = self._group_at(i)
@@ -263,6 +268,19 @@ class Scheduler:
             if s.seq.status is SeqStatus.RUNNING:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.bm.cache_computed_blocks(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed_tokens)
+
+    def restart(self, block_manager: BlockManager) -> int:
+        """The data plane came back with a new, empty pool: every unfinished sequence waits to be
+        recomputed from scratch (keeping the tokens it generated). Returns how many."""
+        seqs = self.running + [s for group in self.swapped for s in group] + list(self.waiting)
+        self.bm = block_manager
+        self.running, self._forget = [], []
+        self.swapped.clear()
+        self.waiting.clear()
+        for seq in sorted(seqs, key=run_order):
+            seq.status, seq.num_computed_tokens, seq.known_to_data_plane = SeqStatus.WAITING, 0, False
+            self.waiting.append(seq)
+        return len(seqs)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity()

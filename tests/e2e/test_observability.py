@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.e2e.client import post_many
+from tests.e2e.test_serving import PROMPTS
 from tests.servers import ROOT, STARTUP_TIMEOUT, free_port
 
 pytestmark = pytest.mark.slow
@@ -30,16 +31,6 @@ PROMETHEUS_CONFIG = os.path.join(ROOT, "deploy", "prometheus.yml")
 RATE_INTERVAL = "1m"          # what $__rate_interval stands for here (>= 4 scrape intervals of 1 s)
 NUM_REQUESTS = 8
 MAX_TOKENS = 30
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-    "Water boils at a temperature of",
-    "The largest planet in our solar system is",
-    "In machine learning, overfitting means",
-]
 
 
 # --- processes ---------------------------------------------------------------------------------
