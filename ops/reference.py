@@ -29,17 +29,39 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
 
 
+# A decode bucket stops growing once padding would make it gather this much more than it uses.
+_MAX_PADDING = 1.3
+_MIN_BUCKET = 8
+
+
+def _length_buckets(rows: list[int], seq_lens_list: list[int]) -> list[list[int]]:
+    """Decode rows grouped by similar context length, so a padded gather wastes little."""
+    buckets, current, used = [], [], 0
+    for r in sorted(rows, key=lambda r: seq_lens_list[r]):
+        length = seq_lens_list[r]
+        # sorted ascending: `length` is the bucket's padded length if r joins it
+        if len(current) >= _MIN_BUCKET and length * (len(current) + 1) > _MAX_PADDING * (used + length):
+            buckets.append(current)
+            current, used = [], 0
+        current.append(r)
+        used += length
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, scale):
-    """One query token per sequence: gather all contexts padded to the longest, mask the padding."""
+    """One query token per sequence: gather the contexts padded to the longest, mask the padding."""
     block_size = k_cache.shape[1]
     max_len = max(seq_lens_list[r] for r in rows)
     max_blocks = -(-max_len // block_size)
-    idx = torch.tensor(rows, dtype=torch.long)
-    tables = block_tables.index_select(0, idx.to(block_tables.device))[:, :max_blocks].long()
+    idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+    # index_select of whole blocks copies contiguous rows: much faster than advanced indexing
+    tables = block_tables.index_select(0, idx)[:, :max_blocks].reshape(-1).long()
     num = len(rows)
-    # [seqs, blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, padded_len, dim]
-    keys = k_cache[tables].reshape(num, max_blocks * block_size, *k_cache.shape[2:]).transpose(1, 2)
-    values = v_cache[tables].reshape(num, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
+    # [seqs * blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, padded_len, dim]
+    keys = k_cache.index_select(0, tables).view(num, max_blocks * block_size, *k_cache.shape[2:]).transpose(1, 2)
+    values = v_cache.index_select(0, tables).view(num, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
     lens = torch.tensor([seq_lens_list[r] for r in rows], device=query.device)
     positions = torch.arange(max_blocks * block_size, device=query.device)
     mask = (positions[None, :] < lens[:, None])[:, None, None, :]
@@ -77,10 +99,11 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
             decode_tokens.append(start)
         elif end > start:
             out[start:end] = _extend_one(query[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
-    if decode_rows:
-        tok = torch.tensor(decode_tokens, dtype=torch.long, device=query.device)
+    token_of = dict(zip(decode_rows, decode_tokens))
+    for bucket in _length_buckets(decode_rows, seq_lens_list):
+        tok = torch.tensor([token_of[r] for r in bucket], dtype=torch.long, device=query.device)
         out[tok] = _decode_batch(query.index_select(0, tok), k_cache, v_cache, block_tables,
-                                 seq_lens_list, decode_rows, scale)
+                                 seq_lens_list, bucket, scale)
     return out
 
 
