@@ -11,9 +11,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane import __version__
 from control_plane.access import error_response, require_api_key, unavailable
-from control_plane.engine import Engine
+from control_plane.api_schema import check_fields
+from control_plane.engine import SHUTDOWN_MESSAGE, Engine
+from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
-from control_plane.sampling_params import SamplingParams, ValidationError, parse_sampling
+from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -23,11 +25,20 @@ def _validation_response(exc: ValidationError) -> web.Response:
     return error_response(400, exc.message, param=exc.param, code=exc.code)
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _strict_loads(text: str):
+    """json.loads without NaN and Infinity, which are not JSON and would slip past range checks."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
 async def _read_json(request: web.Request) -> dict:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ValidationError("the body is not valid JSON", None, "invalid_json") from None
+        body = await request.json(loads=_strict_loads)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:   # JSONDecodeError is a ValueError
+        raise ValidationError(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ValidationError("the body must be a JSON object", None, "invalid_type")
     return body
@@ -101,13 +112,14 @@ def _logprobs_json(outputs: list[RequestOutput], tokenizer, chat: bool) -> dict 
 class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name)
 
-    def _start(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+    def _start(self, prompts: list[list[int]], params: SamplingParams, timeout: float | None) -> list[Request]:
         request_id = uuid.uuid4().hex
         # validate every prompt before any is queued: a bad one must not leave the others running
         for ids in prompts:
             self.engine.validate_request(ids, params)
-        return [self.engine.add_request(f"{request_id}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        return [self.engine.add_request(f"{request_id}-{i}", ids, params, timeout) for i, ids in enumerate(prompts)]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -119,25 +131,28 @@ class Api:
         engine = self.engine
         try:
             body = await _read_json(request)
+            check_fields(body, chat)
             _check_model(engine, body)
             prompts = [_chat_prompt(engine, body)] if chat else _parse_prompts(engine, body.get("prompt"))
-            params = parse_sampling(body, default_max_tokens=engine.hs.max_model_len if chat else 16, chat=chat)
+            params = parse_sampling(body, default_max_tokens=engine.hs.max_model_len if chat else 16,
+                                    max_n=engine.config.max_n, chat=chat)
+            timeout = parse_timeout(body, engine.config.request_timeout)
             if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
                 params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
                 params.max_tokens = min(params.max_tokens, engine.pool_capacity_tokens - len(prompts[0]))
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise ValidationError("'stream' must be a boolean", "stream", "invalid_type")
+            stream = flag(body, "stream")
             if stream and (params.use_beam_search or params.best_of > params.n):
                 raise ValidationError("streaming is not available with beam search or best_of > n: the "
                                       "returned choices are known only at the end", "stream", "unsupported")
-            return_ids = bool(body.get("return_token_ids", False))
+            return_ids = flag(body, "return_token_ids")
+            if engine.draining:
+                return unavailable("the server is shutting down", code="shutting_down")
             if not engine.data_plane_alive:
                 return unavailable("the data plane is not available")
             if len(engine.scheduler.waiting) + len(prompts) > engine.config.max_waiting:
                 return unavailable(f"the server is overloaded: {len(engine.scheduler.waiting)} requests are "
                                    "waiting already", code="overloaded")
-            requests = self._start(prompts, params)
+            requests = self._start(prompts, params, timeout)
         except ValidationError as exc:
             return _validation_response(exc)
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
@@ -158,6 +173,14 @@ class Api:
                     by_index.setdefault(out.index, []).append(out)
             return by_index
         results = await asyncio.gather(*(drain(r) for r in requests))
+        for r in requests:
+            if r.end_reason == "timeout":
+                done = sum(s.num_output_tokens for s in r.seqs.values())
+                return error_response(504, f"the request did not finish within its deadline ({done} tokens "
+                                      "generated); send a larger 'timeout', lower max_tokens, or retry when "
+                                      "the server is less busy", "timeout_error", "timeout", "request_timeout")
+            if r.end_reason == "abort" and self.engine.draining:
+                return unavailable(SHUTDOWN_MESSAGE, code="shutting_down")
         choices, finals = [], []
         n = requests[0].params.n
         for prompt_index, by_index in enumerate(results):
@@ -191,6 +214,7 @@ class Api:
             async for out in req:
                 if out.index >= 0:
                     await merged.put((prompt_index * n + out.index, out))
+            await merged.put((prompt_index, None))   # this request ended
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
         finals: dict[int, RequestOutput] = {}
@@ -204,8 +228,12 @@ class Api:
                 for i in range(num_choices):
                     await send({**meta, "object": obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            while len(finals) < num_choices:
+            num_ended = 0
+            while len(finals) < num_choices and num_ended < len(requests):
                 index, out = await merged.get()
+                if out is None:
+                    num_ended += 1
+                    continue
                 if out.finished:
                     finals[index] = out
                 choice = {"index": index, "finish_reason": out.finish_reason,
@@ -219,6 +247,13 @@ class Api:
                 if out.error:
                     choice["error"] = out.error
                 await send({**meta, "object": obj, "choices": [choice]})
+            for index in range(num_choices):
+                if index not in finals:   # ended before this choice began (a deadline, a shutdown)
+                    req = requests[index // n]
+                    finals[index] = RequestOutput(index, "", [], [], True, req.end_reason)
+                    await send({**meta, "object": obj, "choices": [
+                        {"index": index, "finish_reason": req.end_reason, "logprobs": None,
+                         **({"delta": {}} if chat else {"text": ""})}]})
             await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -233,6 +268,8 @@ class Api:
             "max_model_len": e.hs.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.engine.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
         if not self.engine.data_plane_alive:
             return web.json_response({"status": "data plane down"}, status=503)
         return web.json_response({"status": "ok"})
@@ -261,6 +298,9 @@ class Api:
             "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
             "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
             "integrity": integrity})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
 
     async def metrics(self, request: web.Request) -> web.Response:
         self.engine.stats.refresh_gauges(self.engine.scheduler)
@@ -294,4 +334,5 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_get("/version", api.version)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/debug/kv", api.debug_kv)
+    app.router.add_get("/openapi.json", api.openapi)
     return app

@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 
 from shared import config as C
 
 log = logging.getLogger("pagedserve.control_plane")
 HANDSHAKE_TIMEOUT = 600.0  # the data plane loads the model before it answers
+SHUTDOWN_WRITE_SECONDS = 5.0  # after aborting, what handlers get to write their last answer
 
 
 def _control_plane_args(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,14 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
                              "(default: $PAGEDSERVE_API_KEY)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="do not reuse the KV blocks of common prompt prefixes")
+    parser.add_argument("--max-n", type=int, default=16,
+                        help="most sequences one request may ask for (n, best_of, beam width)")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="abort requests not finished after this long (default: no limit); a body's "
+                             "'timeout' may ask for less")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or SIGINT, seconds in-flight requests get to finish before they "
+                             "are aborted (a second signal aborts them at once)")
 
 
 def load_tokenizer(model: str):
@@ -53,7 +63,8 @@ class SpawnedDataPlane:
 
     def _start(self) -> subprocess.Popen:
         log.info("starting the data plane: %s", " ".join(self.cmd))
-        return subprocess.Popen(self.cmd)
+        # its own session: a Ctrl-C in the terminal reaches only us, and we stop it in order
+        return subprocess.Popen(self.cmd, start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -66,11 +77,17 @@ class SpawnedDataPlane:
         log.warning("the data plane exited with code %s; restarting it", self.proc.returncode)
         self.proc = self._start()
 
-    def stop(self) -> None:
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def stop(self, timeout: float = 10.0) -> None:
+        """Waits for it to exit (after SHUTDOWN), then asks with SIGTERM, then kills it."""
+        for ask in (None, self.proc.terminate, self.proc.kill):
+            if ask is not None:
+                log.warning("the data plane did not exit; sending %s", ask.__name__)
+                ask()
+            try:
+                self.proc.wait(timeout=timeout)
+                return
+            except subprocess.TimeoutExpired:
+                pass
 
 
 async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -> None:
@@ -81,15 +98,25 @@ async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -
     from control_plane.engine import Engine
 
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()     # set by the first SIGTERM/SIGINT: drain; `hurry` by a second: abort now
+    hurry = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: (hurry if stop.is_set() else stop).set())
     tokenizer_task = loop.run_in_executor(None, load_tokenizer, cp.model)
-    client = DataPlaneClient(cp.data_plane)
-    log.info("waiting for the data plane at %s", cp.data_plane)
+    client = DataPlaneClient(cp.data_plane, cp.curve_keys)
+    log.info("waiting for the data plane at %s%s", cp.data_plane, " (CURVE)" if cp.curve_keys else "")
     handshake_task = asyncio.ensure_future(client.handshake(HANDSHAKE_TIMEOUT))
     while not handshake_task.done():
         await asyncio.wait([handshake_task], timeout=1.0)
         if child is not None and not child.alive():
             handshake_task.cancel()
             raise SystemExit(f"the data plane exited with code {child.proc.returncode} before the handshake")
+        if stop.is_set():
+            handshake_task.cancel()
+            log.info("stopped before the data plane answered")
+            await client.shutdown()
+            client.close()
+            return
     hs = handshake_task.result()
     log.info("data plane ready: %s on %s, %s, %d blocks of %d tokens, max length %d", hs.model_id, hs.device,
              hs.dtype, hs.num_device_blocks, hs.block_size, hs.max_model_len)
@@ -97,25 +124,44 @@ async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -
     if child is not None:
         client.alive_check = child.alive
         engine.on_dead = child.restart
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, cp.host, cp.port).start()
     log.info("serving %s on http://%s:%d", cp.model_name, cp.host, cp.port)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     engine_task = asyncio.create_task(engine.run())
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([engine_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
     if engine_task in done and engine_task.exception():
         log.error("engine stopped: %s", engine_task.exception())
+    else:
+        await drain(engine, cp.shutdown_grace, hurry)
     log.info("shutting down")
     await engine.stop()
     engine_task.cancel()
     await runner.cleanup()
     await client.shutdown()
     client.close()
+
+
+async def drain(engine, grace: float, hurry: asyncio.Event) -> None:
+    """Graceful shutdown: new requests get 503 while the ones in flight get `grace` seconds to end."""
+    engine.draining = True
+    num = engine.num_unfinished()
+    log.info("shutdown requested: %d requests in flight get up to %.0fs to finish (signal again to abort them)",
+             num, grace)
+    deadline = time.monotonic() + grace
+    while engine.num_unfinished() and time.monotonic() < deadline and not hurry.is_set():
+        try:
+            await asyncio.wait_for(hurry.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+    left = engine.num_unfinished()
+    if left:
+        log.warning("aborting %d requests that did not finish in time", left)
+    else:
+        log.info("every request in flight finished")
 
 
 def _serve(args: argparse.Namespace, spawn: bool) -> int:
@@ -128,7 +174,8 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   log_interval=args.log_interval,
                                   enable_prefix_caching=args.prefix_caching,
                                   preemption_mode=args.preemption_mode, max_waiting=args.max_waiting,
-                                  api_key=args.api_key).validate()
+                                  api_key=args.api_key, max_n=args.max_n, request_timeout=args.request_timeout,
+                                  shutdown_grace=args.shutdown_grace, curve_keys=args.curve_keys).validate()
         child = None
         if spawn and cp.data_plane is None:
             cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"
@@ -148,21 +195,43 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
     return 0
 
 
+def _keygen(argv: list[str]) -> int:
+    from shared import curve
+    parser = argparse.ArgumentParser(prog="pagedserve keygen",
+                                     description="write server and client CURVE key pairs into DIR")
+    parser.add_argument("dir")
+    args = parser.parse_args(argv)
+    try:
+        files = curve.keygen(args.dir)
+    except curve.CurveKeyError as exc:
+        print(f"pagedserve keygen: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(files))
+    print("data plane: needs server.key_secret and client.key; control plane: client.key_secret and "
+          "server.key; both take --curve-keys DIR")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "data-plane":
         from data_plane.__main__ import main as data_plane_main
         return data_plane_main(argv[1:])
+    if argv and argv[0] == "keygen":
+        return _keygen(argv[1:])
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="control plane plus a local data plane (or --data-plane ADDRESS)")
     cpl = sub.add_parser("control-plane", help="control plane only, connecting to --data-plane ADDRESS")
     sub.add_parser("data-plane", help="data plane only (see pagedserve data-plane --help)")
+    sub.add_parser("keygen", help="write CURVE key pairs for the ZeroMQ link into DIR")
     for p in (serve, cpl):
         C.add_model_args(p)
         _control_plane_args(p)
         p.add_argument("--data-plane", default=None, help="ZeroMQ address of a running data plane")
     C.add_data_plane_args(serve, metrics_flag="--data-plane-metrics-port")
+    cpl.add_argument("--curve-keys", default=None, metavar="DIR",
+                     help="folder of CURVE keys (pagedserve keygen DIR) shared with the data plane")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return _serve(args, spawn=args.command == "serve")

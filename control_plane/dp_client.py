@@ -8,6 +8,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from shared import curve
 from shared import protocol as P
 
 log = logging.getLogger("pagedserve.control_plane")
@@ -19,8 +20,10 @@ class DataPlaneDead(RuntimeError):
 
 
 class DataPlaneClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, curve_keys: str | None = None):
         self.address = address
+        # CURVE: the link is encrypted and the data plane admits us only with the client key
+        self.curve = curve.load_client_keys(curve_keys) if curve_keys else None
         self.alive_check: Callable[[], bool] | None = None   # False once the data-plane process is gone
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = None
@@ -32,6 +35,8 @@ class DataPlaneClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        if self.curve is not None:
+            curve.secure_client(self.sock, self.curve)
         self.sock.connect(self.address)
 
     async def _request(self, kind: str, message, expect: str, timeout: float):

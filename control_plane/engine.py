@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections import defaultdict
@@ -22,6 +23,7 @@ from shared.protocol import Handshake, SampledToken
 log = logging.getLogger("pagedserve.control_plane")
 IDLE_PING_SECONDS = 5.0
 RESTART_SECONDS = 300.0   # a restarted data plane loads its model before it answers
+SHUTDOWN_MESSAGE = "the server shut down before the request finished; send it again"
 
 
 class Engine:
@@ -43,6 +45,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._step_id = 0
         self._stopping = False
+        self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
+        self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
         self.data_plane_alive = True
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
@@ -73,9 +77,14 @@ class Engine:
                                   "prompt", "invalid_token_id")
         self.check_length(len(prompt_ids), params.max_tokens)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    timeout: float | None = None) -> Request:
+        """`timeout`: seconds after which the request is aborted with finish reason "timeout"."""
         self.validate_request(prompt_ids, params)
         req = Request(request_id, prompt_ids, params, self.tokenizer)
+        if timeout is not None:
+            req.deadline = time.monotonic() + timeout
+            heapq.heappush(self._deadlines, (req.deadline, id(req), req))
         seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, params.spec(self.eos_token_ids))
         if params.use_beam_search:
             req.beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, params.max_tokens,
@@ -91,12 +100,29 @@ class Engine:
         req.add_seq(seq)
         self.owners[seq.seq_id] = req
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, reason: str = "abort", error: str | None = None) -> None:
+        """Ends a request wherever it is and frees its blocks: a client gone ("abort"), a deadline
+        passed ("timeout"), or a shutdown ("abort" with an error the client is told)."""
         if not req.finished:
             for seq in req.live_seqs():
-                self._end_seq(req, seq, "abort")
-            self._close(req, "abort")
+                self._end_seq(req, seq, reason, error)
+            self._close(req, reason)
             self._wakeup.set()
+
+    def num_unfinished(self) -> int:
+        return len({id(r) for r in self.owners.values()})
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        if len(self._deadlines) > 64 + 2 * len(self.owners):
+            # most entries are requests that ended in time: drop them rather than hold them until their deadline
+            self._deadlines = [d for d in self._deadlines if not d[2].finished]
+            heapq.heapify(self._deadlines)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, req = heapq.heappop(self._deadlines)
+            if not req.finished:
+                log.info("request %s passed its deadline; aborted", req.request_id)
+                self.abort(req, "timeout")
 
     # --- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -113,7 +139,9 @@ class Engine:
                 except asyncio.TimeoutError:
                     await self._guarded(self.client.ping(self.config.step_timeout))
                 continue
-            await self._guarded(self.step())
+            self._expire_deadlines()   # before scheduling: an expired request takes no more steps
+            if self.scheduler.has_work():
+                await self._guarded(self.step())
 
     async def _guarded(self, work) -> None:
         """Runs one exchange with the data plane. If it died: restart it when we spawned it, wait
@@ -281,13 +309,14 @@ class Engine:
         self.scheduler.finish(seq, reason)
         self.owners.pop(seq.seq_id, None)
         self.stats.on_seq_end(seq)
-        if error is not None or (reason == "abort" and not req.buffered):
+        if error is not None or (reason in ("abort", "timeout") and not req.buffered):
             detok = req.detoks.get(seq.sample_index)
             req.emit(RequestOutput(seq.sample_index, detok.take_new_text(True) if detok else "", [], [], True,
                                    reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
 
     def _close(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
         req.finished = True
+        req.end_reason = reason
         first_seq = next(iter(req.seqs.values()))
         self.stats.on_finish(first_seq, reason, num_output_tokens)
         req.emit(RequestOutput(-1, "", [], [], True, None))   # wakes a reader waiting on the queue
@@ -308,4 +337,4 @@ class Engine:
         self._stopping = True
         self._wakeup.set()
         for req in {id(r): r for r in self.owners.values()}.values():
-            self.abort(req)
+            self.abort(req, error=SHUTDOWN_MESSAGE)

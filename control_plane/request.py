@@ -36,6 +36,8 @@ class Request:
         self.detoks: dict[int, IncrementalDetokenizer] = {}   # by sample index
         self.beam: BeamSearch | None = None
         self.finished = False
+        self.end_reason: str | None = None           # how it ended: stop, length, abort, timeout, error
+        self.deadline: float | None = None           # time.monotonic() past which it is aborted
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     @property

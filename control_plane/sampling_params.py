@@ -74,6 +74,16 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_ope
     return kind(value)
 
 
+def flag(body: dict, name: str) -> bool:
+    """A boolean field; absent or null means false."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValidationError(f"'{name}' must be true or false", name, "invalid_type")
+    return value
+
+
 def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, chat: bool = False) -> SamplingParams:
     max_tokens_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     p = SamplingParams()
@@ -93,24 +103,24 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
     if p.min_tokens > p.max_tokens:
         raise ValidationError(f"'min_tokens' ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
                               "min_tokens")
-    p.n = _number(body, "n", 1, int, lo=1, hi=max_n)
-    p.best_of = _number(body, "best_of", p.n, int, lo=1, hi=max_n)
+    p.n = _number(body, "n", 1, int, lo=1)
+    p.best_of = _number(body, "best_of", p.n, int, lo=1)
+    for name, value in (("n", p.n), ("best_of", p.best_of)):
+        if value > max_n:
+            raise ValidationError(f"'{name}' is {value}, over this server's limit of {max_n} sequences per "
+                                  f"request (its --max-n); ask for at most {max_n}", name)
     if p.best_of < p.n:
         raise ValidationError(f"'best_of' ({p.best_of}) must be at least n ({p.n})", "best_of")
-    p.use_beam_search = body.get("use_beam_search", False)
-    if not isinstance(p.use_beam_search, bool):
-        raise ValidationError("'use_beam_search' must be a boolean", "use_beam_search", "invalid_type")
+    p.use_beam_search = flag(body, "use_beam_search")
     p.length_penalty = _number(body, "length_penalty", 1.0, float)
-    early = body.get("early_stopping", False)
-    if early not in (True, False, "never"):
+    early = body.get("early_stopping")
+    early = False if early is None else early
+    if not (isinstance(early, bool) or early == "never"):
         raise ValidationError("'early_stopping' must be true, false or \"never\"", "early_stopping")
     p.early_stopping = early
     if p.use_beam_search and p.best_of < 2:
         raise ValidationError("beam search needs a width ('best_of' or 'n') of at least 2", "best_of")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ValidationError("'ignore_eos' must be a boolean", "ignore_eos", "invalid_type")
-    p.ignore_eos = ignore_eos
+    p.ignore_eos = flag(body, "ignore_eos")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -129,11 +139,17 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
     return p
 
 
+def parse_timeout(body: dict, server_timeout: float | None) -> float | None:
+    """Seconds the request may take: the body's `timeout`, capped by the server's --request-timeout."""
+    timeout = _number(body, "timeout", None, float, lo=0.0, lo_open=True)
+    if timeout is None:
+        return server_timeout
+    return timeout if server_timeout is None else min(timeout, server_timeout)
+
+
 def _parse_logprobs(body: dict, chat: bool) -> int | None:
     if chat:
-        wanted = body.get("logprobs", False)
-        if not isinstance(wanted, bool):
-            raise ValidationError("'logprobs' must be a boolean", "logprobs", "invalid_type")
+        wanted = flag(body, "logprobs")
         return _number(body, "top_logprobs", 0, int, lo=0, hi=20) if wanted else None
     if body.get("logprobs") is None:
         return None

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_plane import metrics
     stats = metrics.DataPlaneStats(runner.handshake())
     metrics.start_metrics_server(stats, config.metrics_port, metrics.metrics_host(config.listen))
-    Worker(runner, config.listen, stats).serve_forever()
+    Worker(runner, config.listen, stats, curve_keys=config.curve_keys).serve_forever()
     return 0
 
 

@@ -11,19 +11,24 @@ import time
 import zmq
 
 from data_plane.model_runner import ModelRunner, PlanError
+from shared import curve
 from shared import protocol as P
 
 log = logging.getLogger("pagedserve.data_plane")
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, listen: str, stats=None):
+    def __init__(self, runner: ModelRunner, listen: str, stats=None, curve_keys: str | None = None):
         self.runner = runner
         self.stats = stats   # data_plane.metrics.DataPlaneStats, or None
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self.auth = None     # the ZAP handler that admits only the authorized control plane (CURVE)
+        if curve_keys:
+            self.auth = curve.secure_server(self.ctx, self.sock, curve.load_server_keys(curve_keys))
+            log.info("CURVE on: only the control plane holding the client key of %s is admitted", curve_keys)
         self.sock.bind(listen)
         self.listen = listen
         self.steps = 0
@@ -75,4 +80,9 @@ class Worker:
                 if not self.handle(parts[0], parts[1]):
                     break
         finally:
-            self.sock.close(0)
+            self.close()
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()

@@ -60,6 +60,8 @@ class DataPlaneConfig:
     max_model_len: int | None = None    # cap below the model's own maximum
     num_threads: int | None = None      # torch intra-op threads on CPU
     metrics_port: int = 0               # 0: no metrics server
+    curve_keys: str | None = None       # key folder (pagedserve keygen): CURVE-encrypted, authenticated link
+    insecure: bool = False              # allow listening off loopback without CURVE keys
 
     def validate(self) -> "DataPlaneConfig":
         if self.dtype not in DTYPES:
@@ -78,6 +80,13 @@ class DataPlaneConfig:
             raise ConfigError("--max-model-len must be positive")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0: off)")
+        from shared.curve import is_loopback
+        if not self.curve_keys and not self.insecure and not is_loopback(self.listen):
+            raise ConfigError(f"--listen {self.listen} is reachable from other machines, and without CURVE keys "
+                              "anyone who reaches it could send plans: give --curve-keys DIR (made by "
+                              "'pagedserve keygen DIR'), listen on 127.0.0.1, or pass --insecure on a "
+                              "trusted network")
+        _check_key_folder(self.curve_keys, "server")
         split_model_path(self.model)
         return self
 
@@ -97,6 +106,10 @@ class ControlPlaneConfig:
     preemption_mode: str = "auto"      # auto | swap | recompute
     max_waiting: int = 1024            # queued requests beyond which new ones get 503 + Retry-After
     api_key: str | None = None         # required as "Authorization: Bearer" on all but /health, /metrics
+    max_n: int = 16                    # most sequences (n, best_of) one request may ask for
+    request_timeout: float | None = None  # seconds a request may take (a body's "timeout" may lower it)
+    shutdown_grace: float = 30.0       # on SIGTERM, seconds in-flight requests get to finish
+    curve_keys: str | None = None      # key folder: talk CURVE to the data plane
 
     def validate(self) -> "ControlPlaneConfig":
         if self.max_num_seqs < 1:
@@ -105,6 +118,13 @@ class ControlPlaneConfig:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
         if self.max_waiting < 1:
             raise ConfigError("--max-waiting must be at least 1")
+        if self.max_n < 1:
+            raise ConfigError("--max-n must be at least 1")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ConfigError("--request-timeout must be a positive number of seconds")
+        if not self.shutdown_grace >= 0:
+            raise ConfigError("--shutdown-grace must not be negative")
+        _check_key_folder(self.curve_keys, "client")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"--preemption-mode {self.preemption_mode}: choose one of {', '.join(PREEMPTION_MODES)}")
         if not 0 < self.port < 65536:
@@ -117,6 +137,19 @@ class ControlPlaneConfig:
         if self.served_model_name:
             return self.served_model_name
         return os.path.splitext(os.path.basename(os.path.normpath(self.model)))[0]
+
+
+def _check_key_folder(folder: str | None, side: str) -> None:
+    """Loads the keys `side` ("server": data plane, "client": control plane) needs, to fail at start."""
+    if folder is None:
+        return
+    from shared import curve
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--curve-keys {folder}: no such folder (create one with 'pagedserve keygen {folder}')")
+    try:
+        (curve.load_server_keys if side == curve.SERVER else curve.load_client_keys)(folder)
+    except curve.CurveKeyError as exc:
+        raise ConfigError(f"--curve-keys: {exc}") from None
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +172,11 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
     parser.add_argument(metrics_flag, dest="metrics_port", type=int, default=DEFAULT_DATA_PLANE_METRICS_PORT,
                         metavar="PORT", help="port of the data plane's Prometheus /metrics "
                                              "(default %(default)s; 0: off)")
+    parser.add_argument("--curve-keys", default=None, metavar="DIR",
+                        help="folder of CURVE keys (pagedserve keygen DIR): encrypt the ZeroMQ link and admit "
+                             "only the control plane holding the client key")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a data plane to listen off loopback without --curve-keys")
 
 
 def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
@@ -147,7 +185,8 @@ def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
         block_size=args.block_size, kv_cache_blocks=args.kv_cache_blocks, kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len, num_threads=args.num_threads,
         swap_blocks=args.swap_blocks, swap_space_gib=args.swap_space_gib,
-        metrics_port=args.metrics_port).validate()
+        metrics_port=args.metrics_port, curve_keys=args.curve_keys,
+        insecure=getattr(args, "insecure", False)).validate()
 
 
 def data_plane_argv(config: DataPlaneConfig) -> list[str]:
@@ -160,4 +199,8 @@ def data_plane_argv(config: DataPlaneConfig) -> list[str]:
                         ("--swap-blocks", config.swap_blocks)):
         if value is not None:
             argv += [flag, str(value)]
+    if config.curve_keys:
+        argv += ["--curve-keys", config.curve_keys]
+    if config.insecure:
+        argv += ["--insecure"]
     return argv

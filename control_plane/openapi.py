@@ -1,0 +1,98 @@
+"""The OpenAPI 3.1 description of the REST API, served at GET /openapi.json.
+
+Built from one dict; the request bodies come from `api_schema`, whose field lists the server
+also enforces. `python -m control_plane.openapi > docs/openapi.json` refreshes the copy in
+docs/ (a test checks that it is current).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from control_plane import __version__
+from control_plane.api_schema import chat_schema, completion_schema
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string", "description": "what went wrong and what to change"},
+                   "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "null"]}}}}}
+USAGE = {"type": "object", "properties": {k: {"type": "integer"} for k in
+                                          ("prompt_tokens", "completion_tokens", "total_tokens")}}
+FINISH_REASON = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "timeout", "error", None],
+                 "description": "'timeout': the request's deadline passed (streams only; otherwise 504)"}
+
+
+def _error(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _json(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _generation(summary: str, body_ref: str, response_ref: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": body_ref}}}},
+        "responses": {
+            "200": {"description": "the answer, or with stream: true server-sent events ending in "
+                                   "'data: [DONE]'",
+                    "content": {"application/json": {"schema": {"$ref": response_ref}},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            "400": _error("bad input: the message says what to fix"),
+            "401": _error("missing or wrong API key (with --api-key)"),
+            "413": _error("the body is over 4 MiB"),
+            "503": _error("overloaded, shutting down, or the data plane is restarting; see Retry-After"),
+            "504": _error("the request's deadline (timeout, --request-timeout) passed"),
+        }}}
+
+
+def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
+    choice_common = {"index": {"type": "integer"}, "finish_reason": FINISH_REASON,
+                     "logprobs": {"type": ["object", "null"]},
+                     "token_ids": {"type": "array", "items": {"type": "integer"},
+                                   "description": "with return_token_ids: true"}}
+    completion = {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            **choice_common, "text": {"type": "string"}}}}}}
+    chat = {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": USAGE,
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            **choice_common, "message": {"type": "object", "properties": {
+                "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}}
+    simple = {"type": "object"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pagedserve", "version": __version__,
+                 "description": f"OpenAI-compatible completions over PagedAttention, serving '{model_name}'. "
+                                "Every endpoint but /health and /metrics needs 'Authorization: Bearer KEY' "
+                                "when the server runs with --api-key."},
+        "paths": {
+            "/v1/completions": _generation("text completion", "#/components/schemas/CompletionRequest",
+                                           "#/components/schemas/Completion"),
+            "/v1/chat/completions": _generation("chat completion (the tokenizer's chat template)",
+                                                "#/components/schemas/ChatCompletionRequest",
+                                                "#/components/schemas/ChatCompletion"),
+            "/v1/models": {"get": {"summary": "the served model", "responses": {"200": _json("models", simple)}}},
+            "/health": {"get": {"summary": "200 when requests can be served", "responses": {
+                "200": _json("ok", simple), "503": _json("data plane down, or shutting down", simple)}}},
+            "/version": {"get": {"summary": "version, device, pool sizes", "responses": {"200": _json("", simple)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/debug/kv": {"get": {"summary": "blocks in use, queues, block integrity",
+                                  "responses": {"200": _json("", simple)}}},
+            "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json("", simple)}}},
+        },
+        "components": {"schemas": {
+            "CompletionRequest": completion_schema(max_n), "ChatCompletionRequest": chat_schema(max_n),
+            "Completion": completion, "ChatCompletion": chat, "Error": ERROR}},
+    }
+
+
+if __name__ == "__main__":
+    json.dump(openapi_spec(), sys.stdout, indent=1)
+    sys.stdout.write("\n")
