@@ -90,19 +90,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutpu
     for i, row in enumerate(rows):
         if needs_processing[i]:
             logits[i] = apply_penalties(logits[i].clone(), row)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    # one pass for the normalizer and one for the best token: no [rows, vocab] log-softmax is written
+    lse = torch.logsumexp(logits, dim=-1)
+    best, greedy = logits.max(dim=-1)
+    greedy_logprob, greedy = (best - lse).tolist(), greedy.tolist()
     outputs = []
     for i, row in enumerate(rows):
         spec = row.spec
         if spec.temperature == 0.0:
-            tokens = [greedy[i]] * row.num_draws
+            tokens, logprobs = [greedy[i]] * row.num_draws, [greedy_logprob[i]] * row.num_draws
         else:
             probs = _filter(logits[i], spec).softmax(-1)
             tokens = [_draw(probs, draw_seed(spec.seed, j), len(row.output_ids)) for j in range(row.num_draws)]
+            logprobs = (logits[i, tokens] - lse[i]).tolist()
         top: list[tuple[int, float]] = []
         if spec.logprobs > 0:
-            values, ids = torch.topk(logprobs[i], spec.logprobs)
+            values, ids = torch.topk(torch.log_softmax(logits[i], dim=-1), spec.logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
-        outputs.append([SampleOutput(t, float(logprobs[i, t]), top) for t in tokens])
+        outputs.append([SampleOutput(t, lp, top) for t, lp in zip(tokens, logprobs)])
     return outputs
