@@ -77,6 +77,10 @@ def _extend_one(query, k_cache, v_cache, block_table, seq_len, scale):
     keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
     values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]  # [1, heads, q_len, dim]
+    if q_len == seq_len:   # a whole prompt: plain causal attention, no explicit mask to build and read
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), is_causal=True,
+                                             scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     # query i sits at position seq_len - q_len + i and sees keys j <= that position
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)

@@ -41,6 +41,7 @@ def test_reference_matches_dense_attention(seed):
     # many decode rows of widely different lengths (several length buckets), plus extend rows
     seq_lens = [rng.randint(1, 200) for _ in range(40)]
     q_lens = [1 if i % 5 else min(l, rng.randint(2, 12)) for i, l in enumerate(seq_lens)]
+    seq_lens[0] = q_lens[0] = 11   # a whole prompt (causal attention without a cached prefix)
     batch = PagedBatch(seq_lens, q_lens, num_heads=6, num_kv_heads=2, head_dim=16, block_size=8,
                        dtype=torch.float32, device="cpu", seed=seed)
     assert len(reference._length_buckets([i for i, q in enumerate(q_lens) if q == 1], seq_lens)) > 1
