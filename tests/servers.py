@@ -61,3 +61,39 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+class SplitServer(Server):
+    """`pagedserve data-plane` and `pagedserve control-plane` as two processes on a TCP link, as when
+    they run on two machines; `extra_dp`/`extra_cp` add flags (e.g. --curve-keys) to each side."""
+
+    def __init__(self, name: str, model: str, tmp_dir: str, extra_dp: list[str], extra_cp: list[str]):
+        self.dp_address = f"tcp://127.0.0.1:{free_port()}"
+        self.dp_log_path = os.path.join(tmp_dir, f"{name}-data-plane.log")
+        self._dp_log = open(self.dp_log_path, "w")
+        self.dp_proc = subprocess.Popen(
+            [sys.executable, "-m", "control_plane.cli", "data-plane", "--model", model, "--listen", self.dp_address,
+             "--metrics-port", "0", "--num-threads", "1", *extra_dp],
+            cwd=ROOT, stdout=self._dp_log, stderr=subprocess.STDOUT)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(tmp_dir, f"{name}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "control_plane.cli", "control-plane", "--model", model, "--port", str(self.port),
+             "--data-plane", self.dp_address, "--log-interval", "2", *extra_cp],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def dp_log(self) -> str:
+        self._dp_log.flush()
+        with open(self.dp_log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        super().stop()    # the control plane tells the data plane to shut down
+        try:
+            self.dp_proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.dp_proc.kill()
+            self.dp_proc.wait()
+        self._dp_log.close()

@@ -31,3 +31,21 @@ def roomy(servers):
 @pytest.fixture(scope="session")
 def tiny_pool(servers):
     return servers["tiny"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def curve_split(tiny_model_dir, tmp_path_factory):
+    """Data plane and control plane as separate processes on tcp://127.0.0.1, with CURVE keys (tiny
+    model). Shared by the CURVE test and the fuzz test."""
+    from shared import curve
+    from tests.servers import SplitServer
+    tmp = tmp_path_factory.mktemp("curve-split")
+    keys = str(tmp / "keys")
+    curve.keygen(keys)
+    server = SplitServer("curve-split", tiny_model_dir, str(tmp), ["--curve-keys", keys, "--kv-cache-blocks", "128"],
+                         ["--curve-keys", keys])
+    server.keys = keys
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
