@@ -42,7 +42,7 @@ def curve_split(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("curve-split")
     keys = str(tmp / "keys")
     curve.keygen(keys)
-    server = SplitServer("curve-split", tiny_model_dir, str(tmp), ["--curve-keys", keys, "--kv-cache-blocks", "128"],
+    server = SplitServer("curve-split", tiny_model_dir, str(tmp), ["--curve-keys", keys, "--kv-cache-blocks", "128", "--max-model-len", "128"],
                          ["--curve-keys", keys])
     server.keys = keys
     try:
