@@ -17,7 +17,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def guarded(tiny_model_dir, tmp_path_factory):
     server = Server("guarded", ["--model", tiny_model_dir, "--num-threads", "1", "--api-key", KEY,
-                                "--max-waiting", "2", "--max-num-seqs", "2", "--kv-cache-blocks", "256"],
+                                "--max-waiting", "2", "--max-num-seqs", "2", "--kv-cache-blocks", "256",
+                                "--max-n", "2"],
                     str(tmp_path_factory.mktemp("access")))
     try:
         yield server.wait_ready()
@@ -86,3 +87,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(guarded):
     assert aborted == 1
     assert metric_value(after, "pagedserve_generation_tokens_total") - \
         metric_value(before, "pagedserve_generation_tokens_total") < 400
+
+
+def test_n_and_best_of_beyond_max_n_get_a_clear_400(guarded):
+    async def run():
+        body = {"prompt": "hi", "max_tokens": 2}
+        return [await fetch("POST", guarded.url + "/v1/completions", AUTH, {**body, **extra})
+                for extra in ({"n": 3}, {"best_of": 3}, {"n": 2, "temperature": 0.5})]
+    (s1, t1, _), (s2, t2, _), (s3, t3, _) = asyncio.run(run())
+    assert (s1, s2, s3) == (400, 400, 200), (t1, t2, t3)
+    for text, name in ((t1, "n"), (t2, "best_of")):
+        assert f'"param": "{name}"' in text and "limit of 2" in text and "--max-n" in text

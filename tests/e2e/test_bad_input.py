@@ -28,6 +28,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, "invalid_type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, None,
      "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "max_tokns": 5}, None, "unknown_field"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions_x": []}, None,
+     "unknown_field"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"50": 5}}, None, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, None, "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "timeout": 0}, None, "invalid_value"),
+    ("/v1/completions", None, b'{"prompt": "hi", "temperature": NaN}', "invalid_json"),
 ]
 
 
@@ -46,6 +53,9 @@ def test_bad_input_gets_400_while_others_are_served(roomy, path, body, raw, code
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == code and err["type"] == "invalid_request_error" and err["message"]
+    if body is not None and code in ("unknown_field", "unsupported_parameter"):
+        (name,) = set(body) - {"prompt", "messages"}
+        assert err["param"] == name and f"'{name}'" in err["message"]   # the message names the field
     assert good_status == 200 and good_data["usage"]["completion_tokens"] == 10
     assert "Paris" in good_data["choices"][0]["text"]
 
