@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     except C.ConfigError as exc:
         print(f"pagedserve data-plane: {exc}", file=sys.stderr)
         return 2
+    if config.tensor_parallel_size > 1:
+        from data_plane import tp_launch
+        return tp_launch.main(config, sys.argv[1:] if argv is None else argv)
     import torch
     from data_plane.model_runner import ModelRunner, load_model, resolve_device
     from data_plane.worker import Worker

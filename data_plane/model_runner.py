@@ -57,7 +57,9 @@ class ModelRunner:
         self.block_size = config.block_size
         mc = model.config
         self.num_layers = mc.num_hidden_layers
-        self.num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)
+        self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
+            // config.tensor_parallel_size
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.dtype = getattr(torch, config.dtype)
         block_bytes = kv_pool.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
@@ -76,6 +78,7 @@ class ModelRunner:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
+        self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s", self.num_blocks,
                  self.block_size, self.num_blocks * block_bytes / 2**20, device,
                  "triton" if use_triton(device) else "torch reference")
@@ -206,7 +209,7 @@ class ModelRunner:
                                                    st.token_ids[st.num_prompt_tokens:],
                                                    st.sampling.n if first else 1))
         result = []
-        for (seq_id, _), draws in zip(sample_rows, sampler.sample(logits, sample_inputs)):
+        for (seq_id, _), draws in zip(sample_rows, self.sample(logits, sample_inputs)):
             st = self.seqs[seq_id]
             if not st.sampling.beam_width:   # a beam's next token is chosen by the control plane
                 st.token_ids.append(draws[0].token_id)

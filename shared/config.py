@@ -60,6 +60,7 @@ class DataPlaneConfig:
     max_model_len: int | None = None    # cap below the model's own maximum
     num_threads: int | None = None      # torch intra-op threads on CPU
     metrics_port: int = 0               # 0: no metrics server
+    tensor_parallel_size: int = 1       # ranks that split the model's heads and MLP columns (data_plane/tp_launch.py)
     curve_keys: str | None = None       # key folder (pagedserve keygen): CURVE-encrypted, authenticated link
     insecure: bool = False              # allow listening off loopback without CURVE keys
 
@@ -78,6 +79,8 @@ class DataPlaneConfig:
             raise ConfigError("--swap-space-gib must not be negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("--max-model-len must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be at least 1")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics port {self.metrics_port} is not a TCP port (0: off)")
         from shared.curve import is_loopback
@@ -169,6 +172,9 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
     parser.add_argument("--swap-space-gib", type=float, default=2.0, help="CPU swap pool in GiB (0: off)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads on CPU")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N ranks of one torch.distributed group; without RANK/WORLD_SIZE "
+                             "in the environment the data plane starts the other N-1 ranks itself")
     parser.add_argument(metrics_flag, dest="metrics_port", type=int, default=DEFAULT_DATA_PLANE_METRICS_PORT,
                         metavar="PORT", help="port of the data plane's Prometheus /metrics "
                                              "(default %(default)s; 0: off)")
@@ -185,7 +191,8 @@ def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
         block_size=args.block_size, kv_cache_blocks=args.kv_cache_blocks, kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len, num_threads=args.num_threads,
         swap_blocks=args.swap_blocks, swap_space_gib=args.swap_space_gib,
-        metrics_port=args.metrics_port, curve_keys=args.curve_keys,
+        metrics_port=args.metrics_port, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        curve_keys=args.curve_keys,
         insecure=getattr(args, "insecure", False)).validate()
 
 
@@ -196,7 +203,9 @@ def data_plane_argv(config: DataPlaneConfig) -> list[str]:
             "--metrics-port", str(config.metrics_port), "--swap-space-gib", str(config.swap_space_gib)]
     for flag, value in (("--kv-cache-blocks", config.kv_cache_blocks), ("--kv-cache-gib", config.kv_cache_gib),
                         ("--max-model-len", config.max_model_len), ("--num-threads", config.num_threads),
-                        ("--swap-blocks", config.swap_blocks)):
+                        ("--swap-blocks", config.swap_blocks),
+                        ("--tensor-parallel-size", config.tensor_parallel_size if config.tensor_parallel_size > 1
+                         else None)):
         if value is not None:
             argv += [flag, str(value)]
     if config.curve_keys:
