@@ -168,7 +168,14 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s control-plane: %(message)s")
     try:
         model = args.model or C.default_model_path()
-        cp = C.ControlPlaneConfig(model=model, host=args.host, port=args.port, data_plane=args.data_plane,
+        addresses = args.data_plane or []
+        num_replicas = max(len(addresses), getattr(args, "data_parallel_size", 1))
+        if addresses and num_replicas > len(addresses):
+            raise C.ConfigError("give either --data-plane addresses or --data-parallel-size, not both")
+        if num_replicas < 1:
+            raise C.ConfigError("--data-parallel-size must be at least 1")
+        cp = C.ControlPlaneConfig(model=model, host=args.host, port=args.port,
+                                  data_plane=addresses[0] if addresses else None,
                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   served_model_name=args.served_model_name, step_timeout=args.step_timeout,
                                   log_interval=args.log_interval,
@@ -177,6 +184,8 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   api_key=args.api_key, max_n=args.max_n, request_timeout=args.request_timeout,
                                   shutdown_grace=args.shutdown_grace, curve_keys=args.curve_keys).validate()
         child = None
+        if num_replicas > 1:
+            return _serve_replicas(args, cp, addresses, spawn)
         if spawn and cp.data_plane is None:
             cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"
             child = SpawnedDataPlane(C.data_plane_config(args, cp.data_plane))
@@ -191,6 +200,23 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
         pass
     finally:
         if child is not None:
+            child.stop()
+    return 0
+
+
+def _serve_replicas(args, cp: C.ControlPlaneConfig, addresses: list[str], spawn: bool) -> int:
+    from control_plane import replicas
+    children = []
+    if not addresses:
+        if not spawn:
+            raise C.ConfigError("control-plane needs --data-plane ADDRESS for every replica")
+        addresses, children = replicas.spawn_replicas(args, args.data_parallel_size)
+    try:
+        asyncio.run(replicas.run_replicated_server(cp, addresses, children))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for child in children:
             child.stop()
     return 0
 
@@ -228,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     for p in (serve, cpl):
         C.add_model_args(p)
         _control_plane_args(p)
-        p.add_argument("--data-plane", default=None, help="ZeroMQ address of a running data plane")
+        p.add_argument("--data-plane", default=None, action="append",
+                       help="ZeroMQ address of a running data plane; give it again for more replicas")
     C.add_data_plane_args(serve, metrics_flag="--data-plane-metrics-port")
+    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="spawn N data-plane replicas, each with its own KV pool; requests are routed by "
+                            "load and prefix affinity")
     cpl.add_argument("--curve-keys", default=None, metavar="DIR",
                      help="folder of CURVE keys (pagedserve keygen DIR) shared with the data plane")
     args = parser.parse_args(argv)

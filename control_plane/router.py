@@ -1,0 +1,210 @@
+"""Several data-plane replicas behind one API: a router in front of one engine per replica.
+
+Each replica is a whole engine (its own scheduler, block manager, data-plane client) driving its
+own data plane with its own KV pool; the router only chooses, per request, which engine gets it:
+
+  1. prefix affinity: the hashes of the prompt's leading full blocks (up to AFFINITY_BLOCKS, each
+     chained on the one before, as the block manager's prefix cache hashes them) remember which
+     replica last took a prompt starting that way; a request whose deepest known leading block
+     maps to a replica goes there, where those blocks may still be cached,
+  2. unless that replica is overloaded: its unfinished requests exceed the least-loaded live
+     replica's by `slack` (a quarter of a batch), and
+  3. otherwise, by load: the live replica with the fewest unfinished requests (ties: the one that
+     was given fewer requests so far).
+
+To the API the router looks like one engine (the attributes api.py reads); /metrics exports every
+engine's series with a `replica` label ("0", "1", ...).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from control_plane.engine import Engine
+from control_plane.request import Request
+from control_plane.sampling_params import SamplingParams
+
+log = logging.getLogger("pagedserve.control_plane")
+AFFINITY_BLOCKS = 4          # leading blocks that are hashed for affinity
+MAX_AFFINITY_ENTRIES = 65536  # remembered prefixes; the oldest are forgotten first
+
+
+def leading_block_hashes(prompt_ids: list[int], block_size: int, max_blocks: int = AFFINITY_BLOCKS) -> list[int]:
+    """Chained hashes of the prompt's leading full blocks: entry i covers tokens [0, (i+1)*block_size)."""
+    hashes, parent = [], None
+    for i in range(min(len(prompt_ids) // block_size, max_blocks)):
+        parent = hash((parent, tuple(prompt_ids[i * block_size:(i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class Router:
+    def __init__(self, engines: list[Engine]):
+        assert engines, "a router needs at least one engine"
+        first = engines[0]
+        for i, e in enumerate(engines[1:], start=1):
+            if (e.hs.vocab_size, e.hs.block_size) != (first.hs.vocab_size, first.hs.block_size):
+                raise ValueError(f"replica {i} serves another model or block size than replica 0: "
+                                 f"{e.hs.model_id} (block size {e.hs.block_size}) against {first.hs.model_id} "
+                                 f"(block size {first.hs.block_size})")
+        self.engines = engines
+        self.config = first.config
+        self.tokenizer = first.tokenizer
+        self.policy = first.policy
+        self.slack = max(1, self.config.max_num_seqs // 4)
+        self._affinity: OrderedDict[int, int] = OrderedDict()   # leading-block hash -> replica
+        self.num_routed = [0] * len(engines)
+        self.num_affinity_hits = 0
+        self.stats = _ReplicaStats(engines)
+        self.scheduler = _Schedulers(engines)
+
+    # --- what api.py reads of an engine -------------------------------------------------
+    @property
+    def hs(self):
+        return self.engines[0].hs
+
+    @property
+    def pool_capacity_tokens(self) -> int:
+        return min(e.pool_capacity_tokens for e in self.engines)
+
+    @property
+    def data_plane_alive(self) -> bool:
+        return any(e.data_plane_alive for e in self.engines)
+
+    @property
+    def draining(self) -> bool:
+        return self.engines[0].draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        for e in self.engines:
+            e.draining = value
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        for e in self.engines:
+            e.validate_request(prompt_ids, params)
+
+    def num_unfinished(self) -> int:
+        return sum(e.num_unfinished() for e in self.engines)
+
+    # --- routing ----------------------------------------------------------------------------
+    def choose(self, prompt_ids: list[int]) -> int:
+        live = [i for i, e in enumerate(self.engines) if e.data_plane_alive] or list(range(len(self.engines)))
+        load = {i: self.engines[i].num_unfinished() for i in live}
+        least = min(live, key=lambda i: (load[i], self.num_routed[i], i))
+        hashes = leading_block_hashes(prompt_ids, self.hs.block_size)
+        chosen = least
+        for h in reversed(hashes):            # the deepest prefix seen before wins
+            replica = self._affinity.get(h)
+            if replica is not None:
+                if replica in load and load[replica] < load[least] + self.slack:
+                    chosen = replica
+                    self.num_affinity_hits += 1
+                break
+        for h in hashes:
+            self._affinity[h] = chosen
+            self._affinity.move_to_end(h)
+        while len(self._affinity) > MAX_AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        self.num_routed[chosen] += 1
+        return chosen
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    timeout: float | None = None) -> Request:
+        replica = self.choose(prompt_ids)
+        req = self.engines[replica].add_request(request_id, prompt_ids, params, timeout)
+        req.replica = replica
+        return req
+
+    def abort(self, req: Request, *args, **kwargs) -> None:
+        self.engines[getattr(req, "replica", 0)].abort(req, *args, **kwargs)
+
+    # --- lifetime -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        await asyncio.gather(*(e.run() for e in self.engines))
+
+    async def stop(self) -> None:
+        for e in self.engines:
+            await e.stop()
+
+
+class _ReplicaStats:
+    """/metrics of all replicas: each engine's own series, with a `replica` label added."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def refresh_gauges(self, scheduler=None) -> None:
+        for e in self.engines:
+            e.stats.refresh_gauges(e.scheduler)
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for replica, e in enumerate(self.engines):
+            for metric in e.stats.registry.collect():
+                merged = families.get(metric.name)
+                if merged is None:
+                    merged = families[metric.name] = Metric(metric.name, metric.documentation, metric.type,
+                                                            metric.unit)
+                for s in metric.samples:
+                    merged.add_sample(s.name, {**s.labels, "replica": str(replica)}, s.value, s.timestamp,
+                                      s.exemplar)
+        return list(families.values())
+
+
+class _Schedulers:
+    """The replicas' queues and pools summed, for the API's overload check and /debug/kv."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        self.bm = _BlockManagers(engines)
+
+    def _all(self, name: str) -> list:
+        return [x for e in self.engines for x in getattr(e.scheduler, name)]
+
+    waiting = property(lambda self: self._all("waiting"))
+    running = property(lambda self: self._all("running"))
+    swapped = property(lambda self: self._all("swapped"))
+    num_preemptions = property(lambda self: sum(e.scheduler.num_preemptions for e in self.engines))
+    num_swap_preemptions = property(lambda self: sum(e.scheduler.num_swap_preemptions for e in self.engines))
+
+    def check_integrity(self) -> None:
+        for i, e in enumerate(self.engines):
+            try:
+                e.scheduler.check_integrity()
+            except AssertionError as exc:
+                raise AssertionError(f"replica {i}: {exc}") from None
+
+
+class _Pool:
+    def __init__(self, num_blocks: int, num_free: int):
+        self.num_blocks, self.num_free = num_blocks, num_free
+
+
+class _BlockManagers:
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+
+    def _bms(self):
+        return [e.scheduler.bm for e in self.engines]
+
+    @property
+    def pool(self) -> _Pool:
+        return _Pool(sum(bm.pool.num_blocks for bm in self._bms()), self.num_free_blocks())
+
+    @property
+    def cpu_pool(self) -> _Pool | None:
+        pools = [bm.cpu_pool for bm in self._bms() if bm.cpu_pool]
+        return _Pool(sum(p.num_blocks for p in pools), sum(p.num_free for p in pools)) if pools else None
+
+    def num_free_blocks(self) -> int:
+        return sum(bm.num_free_blocks() for bm in self._bms())
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / max(1, self.pool.num_blocks)
