@@ -13,6 +13,7 @@ import torch
 from tests.e2e.client import get, post_many, post_one
 from tests.servers import Server
 
+pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 

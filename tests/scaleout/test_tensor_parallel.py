@@ -73,6 +73,7 @@ def single_tiny(tiny_model_dir):
     return ModelRunner(load_model(config, torch.device("cpu")), config, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_two_ranks_hold_half_the_kv_heads_and_match_one_process(tp2, single_tiny, tiny_model_dir):
     _, runner = tp2
     assert runner.hs.num_kv_heads == 1 and "x2 tensor-parallel" in runner.hs.device
@@ -84,6 +85,7 @@ def test_two_ranks_hold_half_the_kv_heads_and_match_one_process(tp2, single_tiny
     assert ours == [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_two_ranks_under_preemption_give_the_same_tokens(tp2, single_tiny, mode):
     _, runner = tp2
@@ -98,6 +100,7 @@ def test_two_ranks_under_preemption_give_the_same_tokens(tp2, single_tiny, mode)
         assert preemptions > 0 and swaps == 0
 
 
+@pytest.mark.slow
 def test_a_dead_rank_takes_the_group_down(tp2):
     proc, runner = tp2
     (rank1,) = children_of(proc.pid)
@@ -113,6 +116,7 @@ def test_sizes_that_split_a_head_are_refused():
         check_size(config, 2)
 
 
+@pytest.mark.slow
 def test_smollm_on_two_ranks_is_refused_at_start(smollm_path, tmp_path):
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "data_plane", "--model", smollm_path, "--tensor-parallel-size", "2",
@@ -125,6 +129,7 @@ def test_smollm_on_two_ranks_is_refused_at_start(smollm_path, tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_smollm_on_three_ranks_matches_transformers(smollm_path, hf_smollm, tmp_path):
     model, tok = hf_smollm
     texts = ["The capital of France is a city that many people visit because",
