@@ -10,7 +10,6 @@ import uuid
 import pytest
 import torch
 
-from data_plane import attention
 from data_plane.model_runner import ModelRunner, load_model
 from data_plane.tensor_parallel import TensorParallelError, check_size
 from shared.config import DataPlaneConfig
