@@ -100,6 +100,24 @@ def test_two_ranks_under_preemption_give_the_same_tokens(tp2, single_tiny, mode)
 
 
 @pytest.mark.slow
+def test_unseeded_sampling_keeps_every_rank_on_rank_0s_tokens(tp2, tiny_model_dir):
+    """Each rank would draw its own tokens; they must all continue from rank 0's, or rank 0's next
+    logits mix partial sums over different tokens. Checked against transformers, teacher-forced."""
+    _, runner = tp2
+    logprobs = []
+    outputs, _, _ = play_greedy(runner, PROMPTS[:2], MAX_TOKENS, num_blocks=64, temperature=1.5,
+                                logprobs_out=logprobs)
+    from transformers import AutoModelForCausalLM
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for prompt, out, reported in zip(PROMPTS, outputs, logprobs):
+        ids = torch.tensor([prompt + out])
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(ids).logits[0].float(), -1)
+        want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+        assert reported == pytest.approx(want, abs=1e-3)
+
+
+@pytest.mark.slow
 def test_a_dead_rank_takes_the_group_down(tp2):
     proc, runner = tp2
     (rank1,) = children_of(proc.pid)
