@@ -4,7 +4,7 @@ the same tokens.
     python bench/overhead.py            # decode batches of 1, 8, 32, 64 at a context of ~128, a 512-token prefill
     python bench/overhead.py --quick    # CI-sized
 
-Three measurements of each step, all in this run:
+Three measurements of each step, all in this run (bare and runner alternate step by step):
   engine  `Engine.step()` of the real control plane against a data-plane subprocess over ZeroMQ:
           schedule + plan build + msgpack + ZeroMQ + input preparation + paged forward + sampling
           + applying the result (detokenizer, stop checks, metrics);
@@ -167,104 +167,128 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
 
 
 # --- bare: transformers' forward with a DynamicCache ----------------------------------------
-def measure_bare(model, args, rng) -> dict[str, list[float]]:
+def bare_steps(model, args, rng, label: str, num_seqs: int):
+    """A function that runs one timed bare step of this kind and returns its seconds."""
     import torch
     from transformers import DynamicCache
-    model.set_attn_implementation("sdpa")
-    results = {}
-    with torch.inference_mode():
-        for label, num_seqs, num_tokens in step_names(args):
-            C.progress(f"bare forward: {label}")
-            times = []
-            if label.startswith("decode"):
-                cache = DynamicCache(config=model.config)
-                ids = torch.tensor([rand_ids(rng, args.context) for _ in range(num_seqs)])
-                nxt = model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
-                for k in range(args.warmup + args.steps):
-                    t = time.perf_counter()
-                    logits = model(input_ids=nxt[:, None], cache=cache).logits
-                    nxt = logits[:, -1].argmax(-1)
-                    times.append(time.perf_counter() - t)
-            else:
-                for k in range(args.warmup + args.steps):
-                    ids = torch.tensor([rand_ids(rng, args.prefill)])
-                    t = time.perf_counter()
-                    logits = model(input_ids=ids, cache=DynamicCache(config=model.config),
-                                   logits_to_keep=1).logits
-                    logits[:, -1].argmax(-1)
-                    times.append(time.perf_counter() - t)
-            results[label] = times[args.warmup:]
-    C.progress_done()
-    return results
+    if label.startswith("decode"):
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([rand_ids(rng, args.context) for _ in range(num_seqs)])
+        with torch.inference_mode():
+            state = {"next": model(input_ids=ids, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1)}
+
+        @torch.inference_mode()
+        def step() -> float:
+            t = time.perf_counter()
+            logits = model(input_ids=state["next"][:, None], cache=cache).logits
+            state["next"] = logits[:, -1].argmax(-1)
+            return time.perf_counter() - t
+        return step
+
+    @torch.inference_mode()
+    def prefill_step() -> float:
+        ids = torch.tensor([rand_ids(rng, args.prefill)])
+        t = time.perf_counter()
+        logits = model(input_ids=ids, cache=DynamicCache(config=model.config), logits_to_keep=1).logits
+        logits[:, -1].argmax(-1)
+        return time.perf_counter() - t
+    return prefill_step
 
 
 # --- runner: the data plane's ModelRunner in this process -----------------------------------
-def measure_runner(model, args, rng) -> dict[str, dict[str, float]]:
-    import torch
-    from data_plane import attention
-    from data_plane.model_runner import ModelRunner
-    from shared.config import add_data_plane_args, add_model_args, data_plane_config
-    from shared.protocol import NewSequence, SamplingSpec, StepPlan
-    model.set_attn_implementation(attention.register())
-    bs = 16
-    per = -(-(args.context + args.warmup + args.steps + 2) // bs)   # blocks of one decode sequence
-    num_blocks = max(max(args.batches) * per, -(-args.prefill // bs)) + 1
-    # the data plane's own argument parser gives every setting its default, whatever settings exist
-    parser = argparse.ArgumentParser()
-    add_model_args(parser)
-    add_data_plane_args(parser)
-    ns = parser.parse_args(["--block-size", str(bs), "--kv-cache-blocks", str(num_blocks)])
-    if hasattr(ns, "swap_space_gib"):
-        ns.swap_space_gib = 0.0   # no swapping here: no CPU pool to allocate
-    config = data_plane_config(ns, "inproc://bench")
-    runner = ModelRunner(model, config, torch.device("cpu"))
-    parts: dict[str, float] = defaultdict(float)
-    t_fwd = [0.0]
-    model.base_model.register_forward_pre_hook(lambda *_: t_fwd.__setitem__(0, time.perf_counter()))
-    model.base_model.register_forward_hook(
-        lambda *_: parts.__setitem__("forward", parts["forward"] + time.perf_counter() - t_fwd[0]))
-    prepare = runner._prepare
+class RunnerSteps:
+    """The data plane's ModelRunner in this process, one timed step at a time, split into parts."""
 
-    def timed_prepare(*a):
-        t = time.perf_counter()
-        out = prepare(*a)
-        parts["prepare"] += time.perf_counter() - t
-        return out
-    runner._prepare = timed_prepare
-    greedy, results = SamplingSpec(temperature=0.0), {}
-    seq_ids = iter(range(1, 1 << 30))
-    for label, num_seqs, _ in step_names(args):
-        C.progress(f"runner in process: {label}")
+    def __init__(self, model, args):
+        import torch
+        from data_plane.model_runner import ModelRunner
+        from shared.config import add_data_plane_args, add_model_args, data_plane_config
+        self.args, self.bs = args, 16
+        self.per = -(-(args.context + 2 * (args.warmup + args.steps) + 2) // self.bs)   # blocks of one sequence
+        num_blocks = max(max(args.batches) * self.per, -(-args.prefill // self.bs)) + 1
+        # the data plane's own argument parser gives every setting its default, whatever settings exist
+        parser = argparse.ArgumentParser()
+        add_model_args(parser)
+        add_data_plane_args(parser)
+        ns = parser.parse_args(["--block-size", str(self.bs), "--kv-cache-blocks", str(num_blocks)])
+        if hasattr(ns, "swap_space_gib"):
+            ns.swap_space_gib = 0.0   # no swapping here: no CPU pool to allocate
+        self.runner = ModelRunner(model, data_plane_config(ns, "inproc://bench"), torch.device("cpu"))
+        self.parts: dict[str, float] = defaultdict(float)
+        t_fwd = [0.0]
+        model.base_model.register_forward_pre_hook(lambda *_: t_fwd.__setitem__(0, time.perf_counter()))
+        model.base_model.register_forward_hook(
+            lambda *_: self.parts.__setitem__("forward", self.parts["forward"] + time.perf_counter() - t_fwd[0]))
+        prepare = self.runner._prepare
+
+        def timed_prepare(*a):
+            t = time.perf_counter()
+            out = prepare(*a)
+            self.parts["prepare"] += time.perf_counter() - t
+            return out
+        self.runner._prepare = timed_prepare
+        self.seq_ids = iter(range(1, 1 << 30))
+        self.step_id = 0
+
+    def steps(self, rng, label: str, num_seqs: int):
+        """A function that runs one step of this kind and returns its parts in seconds."""
+        from shared.protocol import NewSequence, SamplingSpec, StepPlan
+        args, bs, per, runner = self.args, self.bs, self.per, self.runner
         decode = label.startswith("decode")
         # decode: each sequence arrives with context + 1 tokens, context of them already computed (their KV
         # values are whatever the pool holds: the cost is the same); sequence i owns blocks i*per ..
         known = args.context + 1 if decode else args.prefill
         tables = [list(range(i * per, i * per + -(-known // bs))) for i in range(num_seqs)]
-        totals, timed = defaultdict(float), 0
-        for k in range(args.warmup + args.steps):
-            if k == 0 or not decode:   # new sequences (prefill: a new prompt each time), the old ones forgotten
-                new = [NewSequence(next(seq_ids), rand_ids(rng, known), known - 1 if decode else known,
-                                   known - 1 if decode else 0, 1 if decode else known, table, greedy)
-                       for table in tables]
-                plan = StepPlan(k, new_seqs=new, forget_seq_ids=list(runner.seqs))
+        new: list = []
+
+        def step() -> dict[str, float]:
+            nonlocal new
+            self.step_id += 1
+            if not new or not decode:   # new sequences (prefill: a new prompt each time), the old ones forgotten
+                new = [NewSequence(next(self.seq_ids), rand_ids(rng, known), known - 1 if decode else known,
+                                   known - 1 if decode else 0, 1 if decode else known, list(table),
+                                   SamplingSpec(temperature=0.0)) for table in tables]
+                plan = StepPlan(self.step_id, new_seqs=new, forget_seq_ids=list(runner.seqs))
             else:   # one more token each, and a new block for a sequence whose last block is full
                 cont = []
                 for i, s in enumerate(new):
                     table = runner.seqs[s.seq_id].block_ids
                     grow = runner.seqs[s.seq_id].num_computed_tokens + 1 > len(table) * bs
                     cont.append((s.seq_id, 1, [i * per + len(table)] if grow else [], []))
-                plan = StepPlan(k, cont_seqs=cont)
-            parts.clear()
+                plan = StepPlan(self.step_id, cont_seqs=cont)
+            self.parts.clear()
             result = runner.execute(plan)
+            return {"execute": result.forward_seconds + result.swap_seconds, "prepare": self.parts["prepare"],
+                    "forward": self.parts["forward"],
+                    "lm_head+sample": result.forward_seconds - self.parts["prepare"] - self.parts["forward"]}
+        return step
+
+
+def measure_bare_and_runner(model, args, rng) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Bare and runner steps of each kind alternate, so that a change in machine load hits both alike."""
+    from data_plane import attention
+    runner = RunnerSteps(model, args)
+    bare, parts = {}, {}
+    for label, num_seqs, _ in step_names(args):
+        C.progress(f"bare forward and runner, alternating: {label}")
+        model.set_attn_implementation("sdpa")
+        bare_step = bare_steps(model, args, rng, label, num_seqs)
+        model.set_attn_implementation(attention.register())
+        runner_step = runner.steps(rng, label, num_seqs)
+        times, totals = [], defaultdict(float)
+        for k in range(args.warmup + args.steps):
+            model.set_attn_implementation("sdpa")
+            t = bare_step()
+            model.set_attn_implementation(attention.ATTENTION_NAME)
+            p = runner_step()
             if k >= args.warmup:
-                timed += 1
-                totals["execute"] += result.forward_seconds + result.swap_seconds
-                totals["prepare"] += parts["prepare"]
-                totals["forward"] += parts["forward"]
-                totals["lm_head+sample"] += result.forward_seconds - parts["prepare"] - parts["forward"]
-        results[label] = {k: v / timed for k, v in totals.items()}
+                times.append(t)
+                for key, v in p.items():
+                    totals[key] += v
+        bare[label] = times
+        parts[label] = {k: v / args.steps for k, v in totals.items()}
     C.progress_done()
-    return results
+    return bare, parts
 
 
 def main(argv=None) -> int:
@@ -299,15 +323,22 @@ def main(argv=None) -> int:
             os.unlink(log.name)
         else:
             print(f"the data plane exited with {dp.returncode}; its log: {log.name}", file=sys.stderr)
-    C.Timer.note("bare forward and in-process runner")
-    bare = measure_bare(model, args, rng)
-    runner = measure_runner(model, args, rng)
+    C.Timer.note("bare forward and in-process runner, alternating step by step")
+    bare, runner = measure_bare_and_runner(model, args, rng)
 
-    print(f"\n{'step':<24} {'tokens':>6} {'bare fwd ms':>11} {'engine step ms':>14} {'ratio':>6}  goal <= {GOAL_RATIO}")
+    # engine / bare measured directly compares phases minutes apart (load drifts on a shared machine);
+    # the paired ratio multiplies two ratios each measured within the same steps or alternating steps:
+    # engine step / the data plane's own time in those steps, and runner / bare, alternating.
+    print(f"\n{'step':<24} {'tokens':>6} {'bare fwd ms':>11} {'engine step ms':>14} {'direct':>7} "
+          f"{'engine/dp':>9} {'runner/bare':>11} {'paired':>7}  goal <= {GOAL_RATIO} (paired)")
     for label, _, tokens in step_names(args):
         b, e = ms(bare[label]), ms(engine[label]["times"])
-        print(f"{label:<24} {tokens:>6} {b:>11.1f} {e:>14.1f} {e / b:>6.2f}  "
-              f"{'met' if e / b <= GOAL_RATIO else 'not met'}")
+        p = engine[label]["parts"]
+        dp_ms = 1000 * (p.get("dp plan apply", 0) + p.get("dp prepare+fwd+sample", 0))
+        engine_dp, runner_bare = e / dp_ms, 1000 * runner[label]["execute"] / b
+        paired = engine_dp * runner_bare
+        print(f"{label:<24} {tokens:>6} {b:>11.1f} {e:>14.1f} {e / b:>7.2f} {engine_dp:>9.3f} {runner_bare:>11.2f} "
+              f"{paired:>7.2f}  {'met' if paired <= GOAL_RATIO else 'not met'}")
     cols = ["schedule", "plan build", "msgpack", "zmq+remote", "dp plan apply", "dp prepare+fwd+sample",
             "apply+metrics"]
     print("\nengine step breakdown, ms per step (msgpack: encode plan + decode result here; zmq+remote: round trip "
