@@ -211,14 +211,18 @@ def compose_config(*files: str) -> dict:
 def test_compose_stack_is_valid():
     config = compose_config("compose.yaml")
     services = config["services"]
-    assert set(services) == {"control-plane", "data-plane", "prometheus", "grafana"}
+    assert set(services) == {"curve-keys", "control-plane", "data-plane", "prometheus", "grafana"}
     for name, service in services.items():
+        if name == "curve-keys":   # one-shot
+            continue
         assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
         assert service.get("restart") == "unless-stopped", name
     assert services["data-plane"]["command"] == ["data-plane", "--listen", "tcp://0.0.0.0:5555",
-                                                 "--metrics-port", "8001"]
+                                                 "--metrics-port", "8001", "--curve-keys", "/keys"]
     assert services["control-plane"]["command"] == ["control-plane", "--host", "0.0.0.0", "--data-plane",
-                                                    "tcp://data-plane:5555"]
+                                                    "tcp://data-plane:5555", "--curve-keys", "/keys"]
+    for name in ("data-plane", "control-plane"):
+        assert services[name]["depends_on"]["curve-keys"]["condition"] == "service_completed_successfully"
     (gpu,) = services["data-plane"]["deploy"]["resources"]["reservations"]["devices"]
     assert "gpu" in gpu["capabilities"]
     published = {p["published"] for s in services.values() for p in s.get("ports", [])}
@@ -231,4 +235,34 @@ def test_compose_stack_is_valid():
 def test_compose_cpu_override_drops_the_gpu_reservation():
     services = compose_config("compose.yaml", "compose.cpu.yaml")["services"]
     assert "deploy" not in services["data-plane"] or not services["data-plane"]["deploy"].get("resources")
-    assert services["data-plane"]["command"][-2:] == ["--device", "cpu"]
+    assert services["data-plane"]["command"][-4:] == ["--curve-keys", "/keys", "--device", "cpu"]
+
+
+def test_compose_engine_commands_pass_the_planes_own_checks(tmp_path):
+    """The data plane refuses to listen off loopback without CURVE keys: the compose commands, with
+    /keys replaced by a folder `pagedserve keygen` filled, must pass both planes' start-up checks."""
+    import argparse
+
+    from shared import config as C
+    from shared.curve import keygen
+    keys = str(tmp_path / "keys")
+    keygen(keys)
+    services = compose_config("compose.yaml")["services"]
+
+    def args_of(service):
+        return [keys if a == "/keys" else a for a in services[service]["command"][1:]]
+    dp = argparse.ArgumentParser()
+    C.add_model_args(dp)
+    C.add_data_plane_args(dp)
+    dp.add_argument("--listen")
+    ns = dp.parse_args(args_of("data-plane"))
+    assert C.data_plane_config(ns, ns.listen).curve_keys == keys
+    # and without the keys the same command is refused
+    ns.curve_keys = None
+    with pytest.raises(C.ConfigError, match="curve-keys"):
+        C.data_plane_config(ns, ns.listen)
+    # the control plane holds the client half of the same folder
+    cp = args_of("control-plane")
+    assert cp[cp.index("--curve-keys") + 1] == keys
+    C.ControlPlaneConfig(model=C.default_model_path(), data_plane=cp[cp.index("--data-plane") + 1],
+                         curve_keys=keys).validate()
