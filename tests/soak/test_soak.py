@@ -3,7 +3,6 @@
 invalid ones always get a 4xx, no block leaks, and the resident memory of both processes stays
 bounded. PAGEDSERVE_SOAK_SECONDS sets the length (default 60: the short version CI runs)."""
 import asyncio
-import json
 import os
 import random
 import subprocess
