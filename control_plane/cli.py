@@ -91,9 +91,6 @@ class SpawnedDataPlane:
 
 
 async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -> None:
-    from aiohttp import web
-
-    from control_plane.api import make_app
     from control_plane.dp_client import DataPlaneClient
     from control_plane.engine import Engine
 
@@ -124,11 +121,23 @@ async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -
     if child is not None:
         client.alive_check = child.alive
         engine.on_dead = child.restart
+    await serve_until_stopped(engine, cp, stop, hurry)
+    await client.shutdown()
+    client.close()
+
+
+async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Event, hurry: asyncio.Event,
+                              what: str = "") -> None:
+    """Serves the REST API over `engine` (an Engine, or a Router of several) until `stop` is set or
+    the engine fails; then drains, stops the engine and closes the HTTP server."""
+    from aiohttp import web
+
+    from control_plane.api import make_app
     runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, cp.host, cp.port).start()
-    log.info("serving %s on http://%s:%d", cp.model_name, cp.host, cp.port)
+    log.info("serving %s on http://%s:%d%s", cp.model_name, cp.host, cp.port, what)
 
     engine_task = asyncio.create_task(engine.run())
     stop_task = asyncio.create_task(stop.wait())
@@ -141,8 +150,6 @@ async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -
     await engine.stop()
     engine_task.cancel()
     await runner.cleanup()
-    await client.shutdown()
-    client.close()
 
 
 async def drain(engine, grace: float, hurry: asyncio.Event) -> None:

@@ -51,10 +51,7 @@ async def _connect(cp: C.ControlPlaneConfig, address: str, child, stop: asyncio.
 
 
 async def run_replicated_server(cp: C.ControlPlaneConfig, addresses: list[str], children: list) -> None:
-    from aiohttp import web
-
-    from control_plane.api import make_app
-    from control_plane.cli import SHUTDOWN_WRITE_SECONDS, drain, load_tokenizer
+    from control_plane.cli import load_tokenizer, serve_until_stopped
     from control_plane.engine import Engine
     from control_plane.router import Router
 
@@ -82,24 +79,7 @@ async def run_replicated_server(cp: C.ControlPlaneConfig, addresses: list[str], 
             client.alive_check = child.alive
             engine.on_dead = child.restart
         engines.append(engine)
-    router = Router(engines)
-    runner = web.AppRunner(make_app(router), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
-    await runner.setup()
-    await web.TCPSite(runner, cp.host, cp.port).start()
-    log.info("serving %s on http://%s:%d with %d replicas", cp.model_name, cp.host, cp.port, len(engines))
-
-    run_task = asyncio.create_task(router.run())
-    stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([run_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
-    if run_task in done and run_task.exception():
-        log.error("an engine stopped: %s", run_task.exception())
-    else:
-        await drain(router, cp.shutdown_grace, hurry)
-    log.info("shutting down")
-    await router.stop()
-    run_task.cancel()
-    await runner.cleanup()
+    await serve_until_stopped(Router(engines), cp, stop, hurry, f" with {len(engines)} replicas")
     for e in engines:
         await e.client.shutdown()
         e.client.close()

@@ -19,7 +19,6 @@ import logging
 import os
 
 import torch.distributed as dist
-import zmq
 
 from data_plane import tensor_parallel as TP
 from data_plane.worker import Worker
@@ -98,22 +97,10 @@ class LeaderWorker(Worker):
             self.comm_seconds.labels(self.stats.model_name, kind).inc(total - self._exported[kind])
             self._exported[kind] = total
 
-    def serve_forever(self) -> None:
-        log.info("data plane (rank 0 of %d) listening on %s", self.comm.world_size, self.listen)
-        try:
-            while True:
-                if not self.sock.poll(HEARTBEAT_SECONDS * 1000, zmq.POLLIN):
-                    self._send(b"")
-                    continue
-                parts = self.sock.recv_multipart()
-                if len(parts) != 2:
-                    log.warning("dropped a message of %d parts", len(parts))
-                    continue
-                if not self.handle(parts[0], parts[1]):
-                    break
-        finally:
-            close = getattr(self, "close", None)   # the worker's own cleanup, where it has one
-            close() if close is not None else self.sock.close(0)
+    idle_seconds = HEARTBEAT_SECONDS
+
+    def on_idle(self) -> None:
+        self._send(b"")   # a heartbeat: followers blocked in a broadcast learn that rank 0 lives
 
 
 def follow(runner, comm: TP.Comm) -> int:

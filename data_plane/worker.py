@@ -69,10 +69,20 @@ class Worker:
             log.warning("ignored a %s frame", kind)
         return True
 
+    # A subclass that must act when no message comes for a while sets these (rank 0 of a
+    # tensor-parallel group sends its followers a heartbeat).
+    idle_seconds: float | None = None
+
+    def on_idle(self) -> None:
+        pass
+
     def serve_forever(self) -> None:
         log.info("data plane listening on %s", self.listen)
         try:
             while True:
+                if self.idle_seconds is not None and not self.sock.poll(self.idle_seconds * 1000, zmq.POLLIN):
+                    self.on_idle()
+                    continue
                 parts = self.sock.recv_multipart()
                 if len(parts) != 2:
                     log.warning("dropped a message of %d parts", len(parts))
