@@ -202,6 +202,17 @@ class ServerProcess:
         os.unlink(self.log_path)   # its tail was already shown if the server failed
 
 
+async def complete_greedy(session, url, model, prompt, max_tokens) -> list[int]:
+    """One greedy completion over HTTP (EOS ignored: exactly max_tokens tokens); its token ids."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data}")
+    return data["choices"][0]["token_ids"]
+
+
 def get_json(url: str) -> dict:
     import json
     with urllib.request.urlopen(url, timeout=10) as r:

@@ -194,29 +194,19 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     return values
 
 
-async def _complete(session, url, model, prompt, max_tokens) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data}")
-    return data["choices"][0]["token_ids"]
-
-
 async def _run_trace(url: str, trace, mode: str) -> tuple[float, list[float], list[list[int]]]:
     import aiohttp
     connector = aiohttp.TCPConnector(limit=0)   # every request in flight at once
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as s:
         async with s.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        await _complete(s, url, model, [C.FIRST_ORDINARY_TOKEN + 7] * 4, 2)   # warm-up, not timed
+        await C.complete_greedy(s, url, model, [C.FIRST_ORDINARY_TOKEN + 7] * 4, 2)   # warm-up, not timed
         done = 0
 
         async def one(req):
             nonlocal done
             sent = time.perf_counter()
-            tokens = await _complete(s, url, model, req.prompt_ids, req.output_len)
+            tokens = await C.complete_greedy(s, url, model, req.prompt_ids, req.output_len)
             latency = time.perf_counter() - sent
             done += 1
             C.progress(f"part 2, {mode}: {done}/{len(trace)} requests done")

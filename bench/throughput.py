@@ -54,16 +54,6 @@ def parse_args(argv=None):
 
 
 # --- (a) pagedserve over HTTP --------------------------------------------------------------
-async def _complete(session, url, model, prompt, max_tokens) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data}")
-    return data["choices"][0]["token_ids"]
-
-
 async def _run_pagedserve(url: str, trace) -> tuple[float, list[list[int]]]:
     import aiohttp
     # limit=0: aiohttp's default of 100 connections would hold back the rest of the trace
@@ -71,12 +61,12 @@ async def _run_pagedserve(url: str, trace) -> tuple[float, list[list[int]]]:
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=6 * 3600)) as s:
         async with s.get(f"{url}/v1/models") as resp:
             model = (await resp.json())["data"][0]["id"]
-        await _complete(s, url, model, trace[0].prompt_ids[:4], 2)   # warm-up, not timed
+        await C.complete_greedy(s, url, model, trace[0].prompt_ids[:4], 2)   # warm-up, not timed
         done = 0
 
         async def one(req):
             nonlocal done
-            tokens = await _complete(s, url, model, req.prompt_ids, req.output_len)
+            tokens = await C.complete_greedy(s, url, model, req.prompt_ids, req.output_len)
             done += 1
             C.progress(f"(a) pagedserve: {done}/{len(trace)} requests done")
             return tokens
