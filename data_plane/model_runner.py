@@ -14,7 +14,7 @@ import torch
 
 from data_plane import attention, kv_pool, sampler
 from data_plane.swap import SwapPool
-from ops.attention import use_triton
+from ops import attention as attention_ops
 from ops.cache_ops import copy_blocks
 from shared.config import DataPlaneConfig, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
@@ -81,7 +81,7 @@ class ModelRunner:
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s", self.num_blocks,
                  self.block_size, self.num_blocks * block_bytes / 2**20, device,
-                 "triton" if use_triton(device) else "torch reference")
+                 attention_ops.backend(device, self.dtype))
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id

@@ -1,4 +1,5 @@
-"""Paged attention ops: shape checks, then dispatch (Triton on CUDA, torch reference on CPU).
+"""Paged attention ops: shape checks, then dispatch: Triton on CUDA; on CPU the C++ decode kernel
+(kernels/cpu, float32) for one-token rows and the torch reference for the rest.
 
 Cache layout, one tensor per layer and per K/V:
 
@@ -22,7 +23,7 @@ import os
 
 import torch
 
-from ops import reference
+from ops import cpu_kernels, reference
 
 
 def use_triton(device: torch.device) -> bool:
@@ -32,6 +33,23 @@ def use_triton(device: torch.device) -> bool:
     if forced is not None:
         return forced == "1"
     return device.type == "cuda"
+
+
+def backend(device: torch.device, dtype: torch.dtype) -> str:
+    """Which implementation serves attention for this device and dtype (builds the CPU kernel if needed)."""
+    if use_triton(device):
+        return "triton"
+    if _cpu_kernel(device, dtype) is not None:
+        return "cpu kernel for decode rows, torch reference for prompts"
+    why = cpu_kernels.failure() or ("disabled by PAGEDSERVE_CPU_KERNELS=0" if not cpu_kernels.enabled()
+                                    else f"the CPU kernel is float32 only, not {dtype}")
+    return f"torch reference ({why})"
+
+
+def _cpu_kernel(device: torch.device, dtype: torch.dtype):
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    return cpu_kernels.load()
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -72,5 +90,31 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         from kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len)
+    kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
+    if kernel is not None:
+        return _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                    scale, max_query_len)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len)
+
+
+def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                         max_query_len):
+    """Decode rows (one query token) in the C++ kernel, straight from the blocks; prompt and chunk
+    rows through the reference, whose causal SDPA over a gathered context is already efficient."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.long()
+    q_lens = starts[1:] - starts[:-1]
+    decode = torch.nonzero(q_lens == 1).squeeze(1)
+    if decode.numel():
+        rows = torch.stack([starts[:-1].index_select(0, decode), decode], dim=1).contiguous()
+        kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(),
+                            block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
+                            rows, float(scale))
+    if max_query_len is None or max_query_len > 1:
+        seq_len_list, start_list = seq_lens.tolist(), starts.tolist()
+        for s in torch.nonzero(q_lens > 1).squeeze(1).tolist():
+            begin, end = start_list[s], start_list[s + 1]
+            out[begin:end] = reference.extend_one(query[begin:end], k_cache, v_cache, block_tables[s],
+                                                  seq_len_list[s], scale)
+    return out

@@ -71,7 +71,7 @@ def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, sc
     return out.squeeze(2)
 
 
-def _extend_one(query, k_cache, v_cache, block_table, seq_len, scale):
+def extend_one(query, k_cache, v_cache, block_table, seq_len, scale):
     """Several query tokens of one sequence, the last q_len of its context, causally masked."""
     q_len = query.shape[0]
     keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
@@ -102,7 +102,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
             decode_rows.append(s)
             decode_tokens.append(start)
         elif end > start:
-            out[start:end] = _extend_one(query[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
+            out[start:end] = extend_one(query[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
     token_of = dict(zip(decode_rows, decode_tokens))
     for bucket in _length_buckets(decode_rows, seq_lens_list):
         tok = torch.tensor([token_of[r] for r in bucket], dtype=torch.long, device=query.device)

@@ -78,6 +78,28 @@ class PagedBatch:
                                          self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
 
 
+def dense_attention(batch: PagedBatch) -> torch.Tensor:
+    """The simplest possible computation: per sequence and per query token, rebuild the context
+    from the block table token by token and take a softmax over it."""
+    q, kc, vc = batch.query.float(), batch.k_cache.float(), batch.v_cache.float()
+    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    starts = batch.query_start_loc.tolist()
+    for s, seq_len in enumerate(batch.seq_lens.tolist()):
+        table = batch.block_tables[s].tolist()
+        slots = [(table[p // block_size], p % block_size) for p in range(seq_len)]
+        keys = torch.stack([kc[b, o] for b, o in slots])      # [seq_len, kv_heads, dim]
+        values = torch.stack([vc[b, o] for b, o in slots])
+        q_len = starts[s + 1] - starts[s]
+        for i in range(q_len):
+            visible = seq_len - q_len + i + 1
+            for h in range(q.shape[1]):
+                scores = keys[:visible, h // group] @ q[starts[s] + i, h] * batch.scale
+                out[starts[s] + i, h] = scores.softmax(0) @ values[:visible, h // group]
+    return out
+
+
 def random_lens(rng, batch, max_context, decode_fraction):
     """Contexts in 1..max_context; a `decode_fraction` of sequences get q_len 1, others 2..context."""
     seq_lens = [int(rng.integers(1, max_context + 1)) for _ in range(batch)]

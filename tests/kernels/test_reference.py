@@ -1,8 +1,7 @@
 """The torch reference (the CPU path, and the oracle of the Triton tests) against plain dense attention.
 
 The reference buckets decode rows by context length and gathers whole blocks; this checks it
-against the simplest possible computation: per sequence and per query token, rebuild the context
-from the block table token by token and take a softmax over it.
+against the simplest possible computation (conftest.dense_attention).
 """
 from __future__ import annotations
 
@@ -12,27 +11,7 @@ import pytest
 import torch
 
 from ops import reference
-from tests.kernels.conftest import PagedBatch
-
-
-def _dense(batch: PagedBatch) -> torch.Tensor:
-    q, kc, vc = batch.query.float(), batch.k_cache.float(), batch.v_cache.float()
-    block_size, num_kv_heads = kc.shape[1], kc.shape[2]
-    group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
-    starts = batch.query_start_loc.tolist()
-    for s, seq_len in enumerate(batch.seq_lens.tolist()):
-        table = batch.block_tables[s].tolist()
-        slots = [(table[p // block_size], p % block_size) for p in range(seq_len)]
-        keys = torch.stack([kc[b, o] for b, o in slots])      # [seq_len, kv_heads, dim]
-        values = torch.stack([vc[b, o] for b, o in slots])
-        q_len = starts[s + 1] - starts[s]
-        for i in range(q_len):
-            visible = seq_len - q_len + i + 1
-            for h in range(q.shape[1]):
-                scores = keys[:visible, h // group] @ q[starts[s] + i, h] * batch.scale
-                out[starts[s] + i, h] = scores.softmax(0) @ values[:visible, h // group]
-    return out
+from tests.kernels.conftest import PagedBatch, dense_attention
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -46,7 +25,7 @@ def test_reference_matches_dense_attention(seed):
                        dtype=torch.float32, device="cpu", seed=seed)
     assert len(reference._length_buckets([i for i, q in enumerate(q_lens) if q == 1], seq_lens)) > 1
     out = reference.paged_attention(*batch.args())
-    torch.testing.assert_close(out, _dense(batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, dense_attention(batch), atol=1e-5, rtol=1e-5)
 
 
 def test_length_buckets_cover_every_row_once_and_bound_padding():

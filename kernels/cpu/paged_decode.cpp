@@ -1,0 +1,257 @@
+// Paged decode attention for CPU: one query token per sequence, read straight from the block pool.
+//
+// The torch reference (ops/reference.py) first gathers each sequence's blocks into a padded
+// contiguous tensor, then runs SDPA over it: the context is read, written and read again. Here
+// each (sequence, KV head) work item walks its block table once: the scores of the `group`
+// query heads that share the KV head, a softmax in float32, then the weighted sum of the value
+// rows. Work items are spread over torch's own intra-op thread pool (at::parallel_for).
+//
+// Layouts (float32): query/out [tokens, heads, head_dim] with head_dim contiguous;
+// k_cache/v_cache [blocks, block_size, kv_heads, head_dim] contiguous; block_tables int32
+// [seqs, max_blocks]; seq_lens int32 [seqs]; rows int64 [R, 2] = (token row, sequence).
+//
+// With AVX2+FMA (and head_dim a multiple of 8) the dot products, exponentials and value sums
+// are vectorized by hand; otherwise plain loops do the same arithmetic.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDSERVE_AVX2 1
+#endif
+
+namespace {
+
+#ifdef PAGEDSERVE_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// <a, b> over n floats, n a multiple of 8; two accumulators to halve the FMA dependency chain
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+  }
+  if (d < n) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// y += w * x over n floats, n a multiple of 8
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  for (int64_t d = 0; d < n; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+}
+
+// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
+// polynomial (Taylor coefficients; relative error ~2e-7), 2^n put into the exponent bits.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln2 split in a part exact in float and a correction, so that r keeps its low bits
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// in place: s[p] = exp(s[p] - m); returns the sum
+inline float exp_shifted_sum(float* s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), mv));
+    _mm256_storeu_ps(s + p, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = hsum(total);
+  for (; p < n; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
+  return sum;
+}
+#endif
+
+inline float dot_scalar(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+inline void axpy_scalar(float w, const float* x, float* y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
+}
+
+inline float exp_shifted_sum_scalar(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  for (int64_t p = 0; p < n; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
+  return sum;
+}
+
+struct Shape {
+  int64_t block_size, kv_heads, head_dim, group, max_blocks, slot_stride;
+  int64_t q_tok, q_head, o_tok, o_head;
+  float scale;
+};
+
+// One item: token row `tok`, KV heads [h0, h1). `scores` and `acc` are the calling thread's
+// scratch buffers. A position's K (or V) row holds every KV head side by side, so walking the
+// heads of a position together reads the block front to back.
+template <bool kVector>
+void decode_one(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+                const int32_t* table, int64_t len, int64_t tok, int64_t h0, int64_t h1,
+                std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t bs = sh.block_size, D = sh.head_dim, G = sh.group;
+  const int64_t nq = (h1 - h0) * G;           // query heads of this item
+  scores.resize(nq * len);
+  acc.assign(nq * D, 0.f);
+  const float* qh = q + tok * sh.q_tok + h0 * G * sh.q_head;
+  for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    const float* kb = kc + static_cast<int64_t>(table[p0 / bs]) * bs * sh.slot_stride;
+    const int64_t n = std::min(bs, len - p0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* kp = kb + i * sh.slot_stride + h * D;
+        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j) {
+#ifdef PAGEDSERVE_AVX2
+          const float d = kVector ? dot(qh + j * sh.q_head, kp, D) : dot_scalar(qh + j * sh.q_head, kp, D);
+#else
+          const float d = dot_scalar(qh + j * sh.q_head, kp, D);
+#endif
+          scores[j * len + p0 + i] = sh.scale * d;
+        }
+      }
+    }
+  }
+  float inv_sum[64];
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = scores.data() + j * len;
+    const float m = *std::max_element(sj, sj + len);
+#ifdef PAGEDSERVE_AVX2
+    inv_sum[j] = 1.f / (kVector ? exp_shifted_sum(sj, len, m) : exp_shifted_sum_scalar(sj, len, m));
+#else
+    inv_sum[j] = 1.f / exp_shifted_sum_scalar(sj, len, m);
+#endif
+  }
+  for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    const float* vb = vc + static_cast<int64_t>(table[p0 / bs]) * bs * sh.slot_stride;
+    const int64_t n = std::min(bs, len - p0);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* vp = vb + i * sh.slot_stride + h * D;
+        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j) {
+#ifdef PAGEDSERVE_AVX2
+          if (kVector) axpy(scores[j * len + p0 + i], vp, acc.data() + j * D, D);
+          else axpy_scalar(scores[j * len + p0 + i], vp, acc.data() + j * D, D);
+#else
+          axpy_scalar(scores[j * len + p0 + i], vp, acc.data() + j * D, D);
+#endif
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    float* oj = o + tok * sh.o_tok + (h0 * G + j) * sh.o_head;
+    const float* aj = acc.data() + j * D;
+    for (int64_t d = 0; d < D; ++d) oj[d] = aj[d] * inv_sum[j];
+  }
+}
+
+}  // namespace
+
+void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "paged_decode: caches must be contiguous and alike");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 2,
+              "rows: int64 [R, 2]");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [tokens, heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "query/cache shapes");
+  TORCH_CHECK(query.size(1) <= 64, "paged_decode: at most 64 query heads");
+  Shape sh;
+  sh.block_size = k_cache.size(1);
+  sh.kv_heads = k_cache.size(2);
+  sh.head_dim = k_cache.size(3);
+  sh.group = query.size(1) / sh.kv_heads;
+  sh.max_blocks = block_tables.size(1);
+  sh.slot_stride = sh.kv_heads * sh.head_dim;
+  sh.q_tok = query.stride(0);
+  sh.q_head = query.stride(1);
+  sh.o_tok = out.stride(0);
+  sh.o_head = out.stride(1);
+  sh.scale = static_cast<float>(scale);
+  const int64_t num_rows = rows.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  // validate every index before any thread reads through it
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t tok = row[2 * r], s = row[2 * r + 1];
+    TORCH_CHECK(tok >= 0 && tok < num_tokens, "paged_decode: token row ", tok, " out of range");
+    TORCH_CHECK(s >= 0 && s < seq_lens.size(0) && s < block_tables.size(0), "paged_decode: sequence ", s, " out of range");
+    const int64_t len = lens[s];
+    const int64_t used = (len + sh.block_size - 1) / sh.block_size;
+    TORCH_CHECK(len >= 1 && used <= sh.max_blocks, "paged_decode: sequence ", s, " has bad length ", len);
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t blk = tables[s * sh.max_blocks + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");
+    }
+  }
+  const float* q = query.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const bool vector = sh.head_dim % 8 == 0;
+  // whole rows per item when there are enough rows to keep every thread busy; else one KV head
+  const int64_t heads_per_item = num_rows >= 4 * at::get_num_threads() ? sh.kv_heads : 1;
+  const int64_t items_per_row = sh.kv_heads / heads_per_item;
+  at::parallel_for(0, num_rows * items_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
+      const int64_t tok = row[2 * r], s = row[2 * r + 1];
+      const int32_t* table = tables + s * sh.max_blocks;
+      if (vector) decode_one<true>(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores, acc);
+      else decode_one<false>(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores, acc);
+    }
+  });
+}
+
+bool vectorized() {
+#ifdef PAGEDSERVE_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over the block pool (float32, CPU)");
+  m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
+}

@@ -1,0 +1,71 @@
+"""The CPU attention kernel (kernels/cpu/paged_decode.cpp): built once with torch's extension
+builder, then loaded from its cache.
+
+    python -m ops.cpu_kernels        # build now (`make install` does this), print where it lives
+
+The build needs a C++ compiler and ninja (a pip dependency) and takes about half a minute on
+two cores; later loads take milliseconds. Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
+the data plane falls back to the torch reference (ops/reference.py) and says so in its log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+log = logging.getLogger("pagedserve.ops")
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu",
+                      "paged_decode.cpp")
+NAME = "pagedserve_cpu_attention"
+_state: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+
+
+def load():
+    """The extension module, or None (disabled, or the build failed: see `failure()`)."""
+    if not enabled():
+        return None
+    if "module" not in _state:
+        _state["module"], _state["failure"] = _build()
+    return _state["module"]
+
+
+def failure() -> str | None:
+    return _state.get("failure")
+
+
+def _build():
+    try:
+        from torch.utils.cpp_extension import load as build_extension
+        flags = ["-O3", "-fopenmp"]
+        if os.environ.get("PAGEDSERVE_CPU_KERNELS_NATIVE", "1") != "0":
+            flags.append("-march=native")   # AVX2/FMA paths where the CPU has them
+        started = time.perf_counter()
+        module = build_extension(NAME, [SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        log.info("CPU attention kernel ready in %.1f s (vectorized: %s)", time.perf_counter() - started,
+                 module.vectorized())
+        return module, None
+    except Exception as exc:   # no compiler, no ninja, a failed build: the reference still works
+        message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        log.warning("CPU attention kernel unavailable, using the torch reference (%s)", message)
+        return None, message
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("building the CPU attention kernel (first time: about half a minute)...", flush=True)
+    module = load()
+    if module is None:
+        print(f"not built: {failure() or 'disabled by PAGEDSERVE_CPU_KERNELS=0'}", file=sys.stderr)
+        return 1
+    print(f"ok: {module.__file__} (vectorized: {module.vectorized()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

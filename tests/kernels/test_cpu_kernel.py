@@ -1,0 +1,83 @@
+"""The C++ CPU decode kernel (kernels/cpu/paged_decode.cpp) against dense attention.
+
+The kernel must build on the machines CI runs on (a C++ compiler is part of the environment);
+a build failure fails these tests instead of silently testing the fallback.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ops import attention, cpu_kernels
+from tests.kernels.conftest import PagedBatch, dense_attention
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_kernels.load()
+    assert module is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
+    return module
+
+
+def _batch(seed, num_seqs, max_len, heads, kv_heads, head_dim, block_size, decode_only=True):
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    seq_lens[0] = block_size            # a context that ends exactly on a block boundary
+    q_lens = [1 if decode_only or i % 4 else min(s, rng.randint(2, 9)) for i, s in enumerate(seq_lens)]
+    return PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      block_size=block_size, dtype=torch.float32, device="cpu", seed=seed)
+
+
+# (heads, kv heads, head_dim): SmolLM2's 9/3/64, plain multi-head, 4 query heads per KV head with
+# head_dim 128, and head_dim 36 (not a multiple of 8: the scalar loops instead of AVX2)
+SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 36)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_seqs", [2, 40])   # few rows: one item per KV head; many: one per row
+def test_decode_matches_dense_attention(kernel, heads, kv_heads, head_dim, block_size, num_seqs):
+    batch = _batch(block_size + num_seqs, num_seqs, 150, heads, kv_heads, head_dim, block_size)
+    out = attention.paged_attention(*batch.args(), max_query_len=1)
+    torch.testing.assert_close(out, dense_attention(batch), atol=2e-6, rtol=1e-5)
+
+
+def test_mixed_batch_decode_rows_in_kernel_prompt_rows_in_reference(kernel):
+    batch = _batch(7, 24, 90, 9, 3, 64, 16, decode_only=False)
+    assert batch.max_query_len > 1
+    torch.testing.assert_close(attention.paged_attention(*batch.args()), dense_attention(batch),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_query_as_the_model_hands_it_over_strided_heads(kernel):
+    # the model's query arrives as [heads, tokens, dim] transposed to [tokens, heads, dim]
+    batch = _batch(3, 12, 70, 9, 3, 64, 16)
+    batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not batch.query.is_contiguous()
+    torch.testing.assert_close(attention.paged_attention(*batch.args(), max_query_len=1), dense_attention(batch),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_long_contexts_and_peaked_scores(kernel):
+    # 3000-token contexts, and queries scaled up so that most probabilities underflow to zero
+    batch = _batch(11, 3, 3000, 9, 3, 64, 16)
+    batch.query = batch.query * 30
+    torch.testing.assert_close(attention.paged_attention(*batch.args(), max_query_len=1), dense_attention(batch),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_bad_block_id_is_an_error_not_a_crash(kernel):
+    batch = _batch(5, 4, 60, 9, 3, 64, 16)
+    batch.block_tables[2, 0] = batch.k_cache.shape[0] + 5
+    with pytest.raises(RuntimeError, match="block id"):
+        attention.paged_attention(*batch.args(), max_query_len=1)
+
+
+def test_backend_reports_the_kernel_and_its_fallbacks(kernel, monkeypatch):
+    cpu = torch.device("cpu")
+    assert attention.backend(cpu, torch.float32).startswith("cpu kernel")
+    assert attention.backend(cpu, torch.bfloat16).startswith("torch reference (the CPU kernel is float32 only")
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+    assert attention.backend(cpu, torch.float32) == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
