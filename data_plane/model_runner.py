@@ -15,6 +15,7 @@ import torch
 from data_plane import attention, kv_pool, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
+from ops import linear as linear_ops
 from ops.cache_ops import copy_blocks
 from shared.config import DataPlaneConfig, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
@@ -79,9 +80,11 @@ class ModelRunner:
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s", self.num_blocks,
-                 self.block_size, self.num_blocks * block_bytes / 2**20, device,
-                 attention_ops.backend(device, self.dtype))
+        # few-token steps (a batch's tail) stream the weights through the CPU kernel
+        skinny = linear_ops.use_skinny_kernel(model) if device.type == "cpu" and self.dtype == torch.float32 else 0
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; few-row linear kernel "
+                 "on %d layers", self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
+                 attention_ops.backend(device, self.dtype), skinny)
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id

@@ -1,5 +1,5 @@
-"""The CPU attention kernel (kernels/cpu/paged_decode.cpp): built once with torch's extension
-builder, then loaded from its cache.
+"""The CPU kernels (kernels/cpu/): paged decode attention and the few-row linear. Built once with
+torch's extension builder, then loaded from its cache.
 
     python -m ops.cpu_kernels        # build now (`make install` does this), print where it lives
 
@@ -16,9 +16,9 @@ import time
 
 log = logging.getLogger("pagedserve.ops")
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu",
-                      "paged_decode.cpp")
-NAME = "pagedserve_cpu_attention"
+_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu")
+SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
+NAME = "pagedserve_cpu_kernels"
 _state: dict = {}
 
 
@@ -46,19 +46,19 @@ def _build():
         if os.environ.get("PAGEDSERVE_CPU_KERNELS_NATIVE", "1") != "0":
             flags.append("-march=native")   # AVX2/FMA paths where the CPU has them
         started = time.perf_counter()
-        module = build_extension(NAME, [SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-        log.info("CPU attention kernel ready in %.1f s (vectorized: %s)", time.perf_counter() - started,
+        module = build_extension(NAME, SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        log.info("CPU kernels ready in %.1f s (vectorized: %s)", time.perf_counter() - started,
                  module.vectorized())
         return module, None
     except Exception as exc:   # no compiler, no ninja, a failed build: the reference still works
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        log.warning("CPU attention kernel unavailable, using the torch reference (%s)", message)
+        log.warning("CPU kernels unavailable, using torch ops only (%s)", message)
         return None, message
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("building the CPU attention kernel (first time: about half a minute)...", flush=True)
+    print("building the CPU kernels (first time: about a minute)...", flush=True)
     module = load()
     if module is None:
         print(f"not built: {failure() or 'disabled by PAGEDSERVE_CPU_KERNELS=0'}", file=sys.stderr)

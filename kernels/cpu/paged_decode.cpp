@@ -242,16 +242,3 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
     }
   });
 }
-
-bool vectorized() {
-#ifdef PAGEDSERVE_AVX2
-  return true;
-#else
-  return false;
-#endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the block pool (float32, CPU)");
-  m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
-}

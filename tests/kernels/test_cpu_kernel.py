@@ -81,3 +81,46 @@ def test_backend_reports_the_kernel_and_its_fallbacks(kernel, monkeypatch):
     assert attention.backend(cpu, torch.bfloat16).startswith("torch reference (the CPU kernel is float32 only")
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
     assert attention.backend(cpu, torch.float32) == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
+
+
+# --- the few-row linear kernel ---------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("in_features,out_features", [(576, 1536), (37, 7), (64, 1)])
+def test_skinny_linear_matches_torch_linear(kernel, rows, in_features, out_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    torch.testing.assert_close(kernel.skinny_linear(x, w), torch.nn.functional.linear(x, w),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_skinny_linear_refuses_what_it_cannot_compute(kernel):
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.skinny_linear(torch.randn(2, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        kernel.skinny_linear(torch.randn(2, 8), torch.randn(3, 9))
+
+
+def test_model_layers_route_few_rows_to_the_kernel_and_keep_hooks(kernel, monkeypatch):
+    from ops import linear
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(24, 16, bias=True),
+                                torch.nn.Linear(16, 8, bias=False))
+    hooked = []
+    model[2].register_forward_hook(lambda m, i, o: hooked.append(o.shape))
+    with torch.no_grad():
+        few, many = torch.randn(1, 3, 40), torch.randn(1, 20, 40)
+        expect_few, expect_many = model(few), model(many)
+        assert linear.use_skinny_kernel(model) == 2          # the layer with a bias keeps torch's forward
+        calls = []
+        real = kernel.skinny_linear
+        monkeypatch.setattr(kernel, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+        torch.testing.assert_close(model(few), expect_few, atol=1e-5, rtol=1e-5)
+        assert calls == [3, 3]
+        torch.testing.assert_close(model(many), expect_many, atol=1e-5, rtol=1e-5)
+        assert calls == [3, 3]                               # 20 rows: torch's GEMM
+        with linear.plain_linears(model):
+            model(few)
+        assert calls == [3, 3]
+        model(few)
+        assert calls == [3, 3, 3, 3]                         # routed again after the block
+    assert len(hooked) == 6                                  # every forward, routed or not, ran the hook

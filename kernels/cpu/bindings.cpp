@@ -1,0 +1,20 @@
+// The Python module of the CPU kernels (ops/cpu_kernels.py builds and loads it).
+#include <torch/extension.h>
+
+void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale);
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
+
+static bool vectorized() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over the block pool (float32)");
+  m.def("skinny_linear", &skinny_linear, "x [M, K] . w[N, K]^T for a few rows M (float32)");
+  m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
+}
