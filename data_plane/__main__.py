@@ -32,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("pagedserve.data_plane")
     log.info("loading %s (%s) on %s", config.model, config.dtype, device)
     model = load_model(config, device)
-    runner = ModelRunner(model, config, device)
+    try:
+        runner = ModelRunner(model, config, device)
+    except C.ConfigError as exc:   # settings that only the device can refuse (block size with Triton)
+        print(f"pagedserve data-plane: {exc}", file=sys.stderr)
+        return 2
     from data_plane import metrics
     stats = metrics.DataPlaneStats(runner.handshake())
     metrics.start_metrics_server(stats, config.metrics_port, metrics.metrics_host(config.listen))

@@ -17,7 +17,7 @@ from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
 from ops.cache_ops import copy_blocks
-from shared.config import DataPlaneConfig, split_model_path
+from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -56,6 +56,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.block_size
+        if attention_ops.use_triton(device) and self.block_size < MIN_TRITON_BLOCK_SIZE:
+            raise ConfigError(f"--block-size {self.block_size} is for the CPU path; the Triton kernels "
+                              f"({device}) need {MIN_TRITON_BLOCK_SIZE} or more")
         mc = model.config
         self.num_layers = mc.num_hidden_layers
         # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)

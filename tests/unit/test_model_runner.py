@@ -106,3 +106,10 @@ def test_prefix_cache_hits_give_the_same_tokens(reference_model):
         outputs, _ = run_greedy(runner, prompts, max_tokens=10, budget=8, caching=caching, stats=stats)
         assert outputs == expected
         assert (stats["prefix_hits"] > 0) == caching
+
+
+def test_block_size_4_is_refused_on_the_triton_path(monkeypatch):
+    from shared.config import ConfigError
+    monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
+    with pytest.raises(ConfigError, match="for the CPU path"):
+        make_runner(paged_model(seed=0), block_size=4)
