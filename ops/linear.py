@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from ops import cpu_kernels
 
-SKINNY_MAX_ROWS = 8   # measured crossover: the kernel is 1.3-2.8x faster at 1-8 rows, even at 12
+# measured on SmolLM2's layer shapes, 2 threads: all linears of a step 1.9-2.3x faster at 2-8 rows,
+# 1.4x at 16, even from 24 rows up (bench/cpu_kernels.py)
+SKINNY_MAX_ROWS = 16
 
 
 def use_skinny_kernel(model: torch.nn.Module) -> int:

@@ -39,15 +39,23 @@ inline void dot_tile(const float* x, const float* w, float* y, int64_t m0, int64
 #ifdef PAGEDSERVE_AVX2
   __m256 a0[kRowsPerPass], a1[kRowsPerPass];
   for (int64_t i = 0; i < kRowsPerPass; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-  if (rows == kRowsPerPass) {   // the common case, unrolled by the compiler
+  if (rows == kRowsPerPass) {   // the common case: eight named accumulators stay in registers
+    const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
+    __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
     for (; k + 8 <= K; k += 8) {
       const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-      for (int64_t i = 0; i < kRowsPerPass; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
-        a0[i] = _mm256_fmadd_ps(xv, v0, a0[i]);
-        a1[i] = _mm256_fmadd_ps(xv, v1, a1[i]);
-      }
+      __m256 xv = _mm256_loadu_ps(x0 + k);
+      c00 = _mm256_fmadd_ps(xv, v0, c00); c10 = _mm256_fmadd_ps(xv, v1, c10);
+      xv = _mm256_loadu_ps(x1 + k);
+      c01 = _mm256_fmadd_ps(xv, v0, c01); c11 = _mm256_fmadd_ps(xv, v1, c11);
+      xv = _mm256_loadu_ps(x2 + k);
+      c02 = _mm256_fmadd_ps(xv, v0, c02); c12 = _mm256_fmadd_ps(xv, v1, c12);
+      xv = _mm256_loadu_ps(x3 + k);
+      c03 = _mm256_fmadd_ps(xv, v0, c03); c13 = _mm256_fmadd_ps(xv, v1, c13);
     }
+    a0[0] = c00; a0[1] = c01; a0[2] = c02; a0[3] = c03;
+    a1[0] = c10; a1[1] = c11; a1[2] = c12; a1[3] = c13;
   } else {
     for (; k + 8 <= K; k += 8) {
       const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
@@ -83,8 +91,9 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // grain: enough weight rows per task that a thread streams a long contiguous stretch
-  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+  // grain 32: a task streams at least 32 weight rows, and even the small K/V projections (192
+  // rows for SmolLM2) are split between two threads
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n += 2)
       for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass)
         dot_tile(xp, wp, yp, m0, std::min(kRowsPerPass, M - m0), n, std::min<int64_t>(2, n1 - n), K, N);

@@ -54,3 +54,13 @@ def test_overhead_quick():
         breakdown = [float(x) for x in cells[1]]
         assert len(breakdown) == 7 and breakdown[5] > 0, rows[1]   # the data plane's forward took time
     assert "goal <= 1.15" in out
+
+
+def test_cpu_kernels_quick():
+    out = run_bench("cpu_kernels.py")
+    # one attention row and two linear rows, each with a speedup and a small output difference
+    rows = re.findall(r"^\s*\d+\s+(?:\d+\s+)?[0-9.]+\s+[0-9.]+\s+(?:[0-9.]+\s+[0-9.]+\s+)?([0-9.]+)x\s+([0-9.e+-]+)$",
+                      out, re.M)
+    assert len(rows) == 3, out
+    for speedup, diff in rows:
+        assert float(speedup) > 0 and float(diff) < 1e-3, out
