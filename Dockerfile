@@ -11,6 +11,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TOKENIZERS_PARALLELISM=false
 
+# g++: on the CPU the data plane builds its C++ kernels (kernels/cpu/) at first start, about a
+# minute, tuned to the CPU it runs on; without a compiler it would fall back to slower torch ops
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 ARG TORCH_VERSION=2.13.0
 RUN pip install torch==${TORCH_VERSION}
 

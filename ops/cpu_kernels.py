@@ -9,6 +9,7 @@ the data plane falls back to the torch reference (ops/reference.py) and says so 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -19,6 +20,9 @@ log = logging.getLogger("pagedserve.ops")
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu")
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
 NAME = "pagedserve_cpu_kernels"
+# torch's builder serializes builds with a lock file; a process killed mid-build (SIGKILL, or
+# SIGTERM without a handler) leaves it behind and every later start would wait on it forever
+STALE_LOCK_SECONDS = 600
 _state: dict = {}
 
 
@@ -45,6 +49,7 @@ def _build():
         flags = ["-O3", "-fopenmp"]
         if os.environ.get("PAGEDSERVE_CPU_KERNELS_NATIVE", "1") != "0":
             flags.append("-march=native")   # AVX2/FMA paths where the CPU has them
+        _remove_stale_lock()
         started = time.perf_counter()
         module = build_extension(NAME, SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         log.info("CPU kernels ready in %.1f s (vectorized: %s)", time.perf_counter() - started,
@@ -54,6 +59,19 @@ def _build():
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("CPU kernels unavailable, using torch ops only (%s)", message)
         return None, message
+
+
+def _remove_stale_lock() -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = os.path.join(_get_build_directory(NAME, verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing a build lock left %.0f s ago by a process that did not finish: %s", age, lock)
+        with contextlib.suppress(OSError):
+            os.remove(lock)
 
 
 def main() -> int:

@@ -124,3 +124,19 @@ def test_model_layers_route_few_rows_to_the_kernel_and_keep_hooks(kernel, monkey
         model(few)
         assert calls == [3, 3, 3, 3]                         # routed again after the block
     assert len(hooked) == 6                                  # every forward, routed or not, ran the hook
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    import torch.utils.cpp_extension as ext
+    monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_kernels._remove_stale_lock()
+    assert lock.exists()                       # another process may be building right now
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    cpu_kernels._remove_stale_lock()
+    assert not lock.exists()
