@@ -1,12 +1,14 @@
 // The Python module of the CPU kernels (ops/cpu_kernels.py builds and loads it).
 #include <torch/extension.h>
 
+#include "simd.h"
+
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 
 static bool vectorized() {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef PAGEDSERVE_AVX2
   return true;
 #else
   return false;

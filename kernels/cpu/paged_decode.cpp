@@ -20,20 +20,12 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDSERVE_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
 #ifdef PAGEDSERVE_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedserve::hsum8;
 
 // <a, b> over n floats, n a multiple of 8; two accumulators to halve the FMA dependency chain
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -44,7 +36,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
   }
   if (d < n) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
+  return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
 // y += w * x over n floats, n a multiple of 8
@@ -86,7 +78,7 @@ inline float exp_shifted_sum(float* s, int64_t n, float m) {
     _mm256_storeu_ps(s + p, e);
     total = _mm256_add_ps(total, e);
   }
-  float sum = hsum(total);
+  float sum = hsum8(total);
   for (; p < n; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
   return sum;
 }
@@ -108,6 +100,42 @@ inline float exp_shifted_sum_scalar(float* s, int64_t n, float m) {
   return sum;
 }
 
+// The AVX2 helpers when the build has them and head_dim is a multiple of 8, else the scalar loops.
+template <bool kVector>
+inline float dot_any(const float* a, const float* b, int64_t n) {
+#ifdef PAGEDSERVE_AVX2
+  if (kVector) return dot(a, b, n);
+#endif
+  return dot_scalar(a, b, n);
+}
+
+template <bool kVector>
+inline void axpy_any(float w, const float* x, float* y, int64_t n) {
+#ifdef PAGEDSERVE_AVX2
+  if (kVector) return axpy(w, x, y, n);
+#endif
+  axpy_scalar(w, x, y, n);
+}
+
+template <bool kVector>
+inline float exp_shifted_sum_any(float* s, int64_t n, float m) {
+#ifdef PAGEDSERVE_AVX2
+  if (kVector) return exp_shifted_sum(s, n, m);
+#endif
+  return exp_shifted_sum_scalar(s, n, m);
+}
+
+// fn(p, row) for every position p < len of a sequence, `row` its slot's row (all KV heads) in `cache`
+template <typename Fn>
+inline void walk_context(const float* cache, const int32_t* table, int64_t len, int64_t block_size,
+                         int64_t slot_stride, Fn fn) {
+  for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+    const float* block = cache + static_cast<int64_t>(table[p0 / block_size]) * block_size * slot_stride;
+    const int64_t n = std::min(block_size, len - p0);
+    for (int64_t i = 0; i < n; ++i) fn(p0 + i, block + i * slot_stride);
+  }
+}
+
 struct Shape {
   int64_t block_size, kv_heads, head_dim, group, max_blocks, slot_stride;
   int64_t q_tok, q_head, o_tok, o_head;
@@ -126,50 +154,22 @@ void decode_one(const Shape& sh, const float* q, const float* kc, const float* v
   scores.resize(nq * len);
   acc.assign(nq * D, 0.f);
   const float* qh = q + tok * sh.q_tok + h0 * G * sh.q_head;
-  for (int64_t p0 = 0; p0 < len; p0 += bs) {
-    const float* kb = kc + static_cast<int64_t>(table[p0 / bs]) * bs * sh.slot_stride;
-    const int64_t n = std::min(bs, len - p0);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* kp = kb + i * sh.slot_stride + h * D;
-        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j) {
-#ifdef PAGEDSERVE_AVX2
-          const float d = kVector ? dot(qh + j * sh.q_head, kp, D) : dot_scalar(qh + j * sh.q_head, kp, D);
-#else
-          const float d = dot_scalar(qh + j * sh.q_head, kp, D);
-#endif
-          scores[j * len + p0 + i] = sh.scale * d;
-        }
-      }
-    }
-  }
+  // scores[j * len + p] = scale * <q_j, k_p>, for the item's query heads j
+  walk_context(kc, table, len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
+        scores[j * len + p] = sh.scale * dot_any<kVector>(qh + j * sh.q_head, row + h * D, D);
+  });
   float inv_sum[64];
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores.data() + j * len;
-    const float m = *std::max_element(sj, sj + len);
-#ifdef PAGEDSERVE_AVX2
-    inv_sum[j] = 1.f / (kVector ? exp_shifted_sum(sj, len, m) : exp_shifted_sum_scalar(sj, len, m));
-#else
-    inv_sum[j] = 1.f / exp_shifted_sum_scalar(sj, len, m);
-#endif
+    inv_sum[j] = 1.f / exp_shifted_sum_any<kVector>(sj, len, *std::max_element(sj, sj + len));
   }
-  for (int64_t p0 = 0; p0 < len; p0 += bs) {
-    const float* vb = vc + static_cast<int64_t>(table[p0 / bs]) * bs * sh.slot_stride;
-    const int64_t n = std::min(bs, len - p0);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* vp = vb + i * sh.slot_stride + h * D;
-        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j) {
-#ifdef PAGEDSERVE_AVX2
-          if (kVector) axpy(scores[j * len + p0 + i], vp, acc.data() + j * D, D);
-          else axpy_scalar(scores[j * len + p0 + i], vp, acc.data() + j * D, D);
-#else
-          axpy_scalar(scores[j * len + p0 + i], vp, acc.data() + j * D, D);
-#endif
-        }
-      }
-    }
-  }
+  walk_context(vc, table, len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
+        axpy_any<kVector>(scores[j * len + p], row + h * D, acc.data() + j * D, D);
+  });
   for (int64_t j = 0; j < nq; ++j) {
     float* oj = o + tok * sh.o_tok + (h0 * G + j) * sh.o_head;
     const float* aj = acc.data() + j * D;

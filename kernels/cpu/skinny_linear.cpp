@@ -10,22 +10,14 @@
 
 #include <algorithm>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDSERVE_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t kRowsPerPass = 4;   // input rows sharing one pass over a weight row
 
 #ifdef PAGEDSERVE_AVX2
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedserve::hsum8;
 #endif
 
 // y[m, n] for m in [m0, m0 + rows) and n in [n0, n0 + cols): rows <= kRowsPerPass, cols <= 2.
