@@ -84,7 +84,7 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
         # few-token steps (a batch's tail) stream the weights through the CPU kernel
-        skinny = linear_ops.use_skinny_kernel(model) if device.type == "cpu" and self.dtype == torch.float32 else 0
+        skinny = linear_ops.use_skinny_kernel(model)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; few-row linear kernel "
                  "on %d layers", self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
                  attention_ops.backend(device, self.dtype), skinny)

@@ -41,8 +41,12 @@ def backend(device: torch.device, dtype: torch.dtype) -> str:
         return "triton"
     if _cpu_kernel(device, dtype) is not None:
         return "cpu kernel for decode rows, torch reference for prompts"
-    why = cpu_kernels.failure() or ("disabled by PAGEDSERVE_CPU_KERNELS=0" if not cpu_kernels.enabled()
-                                    else f"the CPU kernel is float32 only, not {dtype}")
+    if device.type != "cpu":
+        why = "Triton turned off by PAGEDSERVE_TRITON=0"
+    elif not cpu_kernels.enabled():
+        why = "disabled by PAGEDSERVE_CPU_KERNELS=0"
+    else:
+        why = cpu_kernels.failure() or f"the CPU kernel is float32 only, not {dtype}"
     return f"torch reference ({why})"
 
 

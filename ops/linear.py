@@ -22,17 +22,15 @@ SKINNY_MAX_ROWS = 16
 def use_skinny_kernel(model: torch.nn.Module) -> int:
     """Route the float32, bias-free CPU linear layers of `model` through the kernel when few rows
     come in; returns how many layers were routed (0 when the kernel is unavailable)."""
-    kernel = cpu_kernels.load()
+    eligible = [m for m in model.modules()
+                if type(m) is torch.nn.Linear and m.bias is None and m.weight.dtype == torch.float32
+                and m.weight.device.type == "cpu" and m.weight.is_contiguous()]
+    kernel = cpu_kernels.load() if eligible else None   # no build at all for a GPU or bf16 model
     if kernel is None:
         return 0
-    routed = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (type(module) is torch.nn.Linear and module.bias is None and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and weight.is_contiguous()):
-            module.forward = _skinny_forward(module, kernel)   # instance attribute: hooks still run
-            routed += 1
-    return routed
+    for module in eligible:
+        module.forward = _skinny_forward(module, kernel)   # instance attribute: hooks still run
+    return len(eligible)
 
 
 def _skinny_forward(module: torch.nn.Linear, kernel):

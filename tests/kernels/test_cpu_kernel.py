@@ -140,3 +140,16 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     os.utime(lock, (old, old))
     cpu_kernels._remove_stale_lock()
     assert not lock.exists()
+
+
+def test_backend_names_the_reason_off_the_cpu(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_TRITON", "0")
+    assert attention.backend(torch.device("cuda"), torch.float32) == \
+        "torch reference (Triton turned off by PAGEDSERVE_TRITON=0)"
+
+
+def test_a_model_with_no_eligible_layer_routes_nothing_and_builds_nothing(monkeypatch):
+    from ops import linear
+    monkeypatch.setattr(cpu_kernels, "load", lambda: pytest.fail("the kernel must not be loaded"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=True), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    assert linear.use_skinny_kernel(model) == 0
