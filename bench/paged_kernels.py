@@ -1,6 +1,6 @@
 """Paged attention kernels against contiguous-KV attention (torch SDPA).
 
-    python bench/kernels.py [--quick] [--peak-gbps 4800] [--dtype bf16] [--heads 32 --kv-heads 8 ...]
+    python bench/paged_kernels.py [--quick] [--peak-gbps 4800] [--dtype bf16] [--heads 32 --kv-heads 8 ...]
 
 On CUDA: for a grid of batch x context, times the Triton paged decode (one query token per
 sequence) and paged prefill (q_len = context, causal) against SDPA over contiguous K/V holding the
