@@ -77,8 +77,9 @@ def machine_line(num_threads: int) -> str:
     import transformers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"machine: {platform.processor() or platform.machine()}, {cores} cores usable, "
-            f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}; torch {torch.__version__} with "
+            f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}{gpu}; torch {torch.__version__} with "
             f"{num_threads} thread{'s' if num_threads > 1 else ''} per process, transformers {transformers.__version__}")
 
 
@@ -219,8 +220,15 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def load_hf_model(num_threads: int, attn_implementation: str = "sdpa"):
-    """SmolLM2 in float32 through transformers' own loader, as the data plane loads it."""
+def bench_device():
+    """Where the transformers anchors run: the GPU when there is one, as the data plane's default."""
+    import torch
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_hf_model(num_threads: int, attn_implementation: str = "sdpa", device=None):
+    """SmolLM2 in float32 through transformers' own loader, as the data plane loads it; on `device`,
+    by default bench_device()."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -231,4 +239,4 @@ def load_hf_model(num_threads: int, attn_implementation: str = "sdpa"):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
     Timer.note("transformers model loaded")
-    return model.eval()
+    return model.to(device or bench_device()).eval()

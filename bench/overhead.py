@@ -307,7 +307,7 @@ def main(argv=None) -> int:
                            "--num-threads", str(args.num_threads), "--metrics-port", "0"],
                           cwd=C.ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        model = C.load_hf_model(args.num_threads)
+        model = C.load_hf_model(args.num_threads, device="cpu")   # its runner below is on CPU too
         from control_plane.cli import load_tokenizer
         tokenizer = load_tokenizer(default_model_path())
         C.Timer.note("waiting for the data plane; then engine steps")

@@ -46,6 +46,9 @@ def parse_args(argv=None):
     # the tail. The log-normal shapes stay those of _common.WORKLOADS.
     ap.add_argument("--max-prompt-len", type=int, default=256, help="prompt length clip")
     ap.add_argument("--max-output-len", type=int, default=512, help="output length clip")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="pagedserve's KV pool, and so (c)'s cache (default: the server's, 1 GiB on CPU, "
+                         "90%% of free memory on a GPU)")
     ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
     args = ap.parse_args(argv)
     if args.quick:
@@ -91,8 +94,8 @@ def run_static(model, trace, batch_size: int) -> tuple[float, list[list[int]]]:
             mask[i, width - len(r.prompt_ids):] = 1
         longest = max(r.output_len for r in batch)
         # eos_token_id=None as a keyword: a GenerationConfig object would be merged with the model's EOS
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
-                             eos_token_id=None, pad_token_id=pad)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=pad)
         return [out[i, width:width + r.output_len].tolist() for i, r in enumerate(batch)]
 
     generate(trace[:2])   # warm-up, not timed
@@ -178,8 +181,10 @@ def main(argv=None) -> int:
 
     server = None
     if "a" in args.systems:   # the data plane loads its model while this process loads its own
+        pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
         server = C.ServerProcess(args.num_threads, ["--max-num-seqs", str(args.max_num_seqs),
-                                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)])
+                                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                                    *pool])
     model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
     results: dict[str, tuple[float, list[list[int]]]] = {}
     failures: dict[str, str] = {}
