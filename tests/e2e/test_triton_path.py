@@ -1,7 +1,10 @@
 """The data plane with the Triton kernels forced on CPU (Triton's interpreter) gives the same greedy
 tokens as the CPU path (the C++ decode kernel, the torch reference for prompts), through HTTP
 against real processes, on a tiny random Llama."""
+import urllib.request
+
 import pytest
+import torch
 
 from tests.e2e.client import post_many
 from tests.servers import Server
@@ -32,3 +35,34 @@ def test_triton_interpreter_path_matches_torch_path(tiny_model_dir, tmp_path):
     finally:
         torch_path.stop()
         triton_path.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_server_matches_cpu_server(tiny_model_dir, tmp_path):
+    """The data plane on the GPU (compiled Triton kernels, KV pool in device memory, swap through
+    pinned host memory) gives the CPU server's greedy tokens; the pool is small enough that
+    sequences are preempted and swapped."""
+    common = ["--model", tiny_model_dir, "--num-threads", "1", "--block-size", "16", "--kv-cache-blocks", "12",
+              "--max-num-batched-tokens", "64", "--swap-space-gib", "0.05"]
+    cpu = Server("cpu", [*common, "--device", "cpu"], str(tmp_path))
+    gpu = Server("cuda", [*common, "--device", "cuda"], str(tmp_path))
+    try:
+        cpu.wait_ready()
+        gpu.wait_ready()
+        bodies = [{"prompt": f"Request {i}: count slowly from {i} and say why " * (1 + i % 3), "max_tokens": 40,
+                   "temperature": 0, "ignore_eos": True, "return_token_ids": True} for i in range(8)]
+        want = post_many(cpu.url, "/v1/completions", bodies)
+        got = post_many(gpu.url, "/v1/completions", bodies)
+        for (s1, d1), (s2, d2) in zip(want, got):
+            assert s1 == s2 == 200, (d1, d2)
+            assert d2["choices"][0]["token_ids"] == d1["choices"][0]["token_ids"]
+        assert "attention ops: triton" in gpu.log_all() and "on cuda" in gpu.log_all()
+        with urllib.request.urlopen(gpu.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        swapped_in = [line for line in metrics.splitlines()
+                      if line.startswith("pagedserve_swap_blocks_total") and 'direction="in"' in line]
+        assert swapped_in and float(swapped_in[0].split()[-1]) > 0, swapped_in
+    finally:
+        cpu.stop()
+        gpu.stop()

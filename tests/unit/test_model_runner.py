@@ -14,9 +14,9 @@ from shared.protocol import StepPlan
 from tests.factories import tiny_llama
 
 
-def make_runner(model, num_blocks=64, block_size=4) -> ModelRunner:
+def make_runner(model, num_blocks=64, block_size=4, device="cpu") -> ModelRunner:
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
-    return ModelRunner(model, config, torch.device("cpu"))
+    return ModelRunner(model.to(device), config, torch.device(device))
 
 
 def paged_model(seed=0, **kw):
@@ -54,7 +54,7 @@ def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8, caching=T
 
 
 def hf_greedy(model, prompt, max_tokens):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                          do_sample=False)
     return out[0, len(prompt):].tolist()
@@ -113,3 +113,22 @@ def test_block_size_4_is_refused_on_the_triton_path(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
     with pytest.raises(ConfigError, match="for the CPU path"):
         make_runner(paged_model(seed=0), block_size=4)
+
+
+# --- CUDA: the same oracle with the compiled Triton kernels (block size 8 and up) ---------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_cuda_greedy_matches_transformers_with_chunking_and_preemption(block_size):
+    reference = tiny_llama(attn="sdpa", seed=0).to("cuda")
+    prompts = PROMPTS + [[1] + list(range(10 * i + 3, 10 * i + 30)) for i in range(4)]
+    expected = [hf_greedy(reference, p, 24) for p in prompts]
+    # 160 tokens of pool (20 blocks of 8, 10 of 16) against 362 in all: preemption happens
+    runner = make_runner(paged_model(seed=0), num_blocks=80 // block_size * 2, block_size=block_size, device="cuda")
+    assert runner.pool.is_cuda
+    outputs, preemptions = run_greedy(runner, prompts, max_tokens=24, budget=32)
+    assert preemptions > 0
+    assert outputs == expected
