@@ -199,7 +199,7 @@ def bare_steps(model, args, rng, label: str, num_seqs: int):
 class RunnerSteps:
     """The data plane's ModelRunner in this process, one timed step at a time, split into parts."""
 
-    def __init__(self, model, args):
+    def __init__(self, model, args, device: str = "cpu"):
         import torch
         from data_plane.model_runner import ModelRunner
         from shared.config import add_data_plane_args, add_model_args, data_plane_config
@@ -213,7 +213,7 @@ class RunnerSteps:
         ns = parser.parse_args(["--block-size", str(self.bs), "--kv-cache-blocks", str(num_blocks)])
         if hasattr(ns, "swap_space_gib"):
             ns.swap_space_gib = 0.0   # no swapping here: no CPU pool to allocate
-        self.runner = ModelRunner(model, data_plane_config(ns, "inproc://bench"), torch.device("cpu"))
+        self.runner = ModelRunner(model, data_plane_config(ns, "inproc://bench"), torch.device(device))
         self.parts: dict[str, float] = defaultdict(float)
         t_fwd = [0.0]
         model.base_model.register_forward_pre_hook(lambda *_: t_fwd.__setitem__(0, time.perf_counter()))
