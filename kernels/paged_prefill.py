@@ -31,10 +31,10 @@ import triton.language as tl
 
 from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2
 
-# (rows = query tokens x group heads, keys per inner step, warps) per program.  float32 runs its
-# "ieee" tl.dot on FMA units: register-hungry, it spills a little on sm_90 at any tile size; the
-# smallest spill was 32 x 32 on 8 warps.  float32 is for checking, not for serving speed.
-TILE = {torch.float16: (64, 64, 4), torch.bfloat16: (64, 64, 4), torch.float32: (32, 32, 8)}
+# (rows = query tokens x group heads, keys per inner step, warps, pipeline stages) per program.
+# float32 runs its "ieee" tl.dot on FMA units: register-hungry, it spills a little on sm_90 at any
+# tile size; the smallest spill was 32 x 32 on 8 warps.  float32 is for checking, not for serving speed.
+TILE = {torch.float16: (64, 64, 4, 2), torch.bfloat16: (64, 64, 4, 2), torch.float32: (32, 32, 8, 2)}
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_g = next_pow2(group)
-    block_rows, block_n, num_warps = TILE.get(query.dtype, TILE[torch.float16])
+    block_rows, block_n, num_warps, num_stages = TILE.get(query.dtype, TILE[torch.float16])
     block_q = max(1, block_rows // block_g)
     block_m = block_q * block_g  # >= 16 as tl.dot needs
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
@@ -148,4 +148,4 @@ def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
         num_seqs, group, head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=next_pow2(head_dim), BLOCK_S=next_pow2(num_seqs), UPCAST=upcast, DOT_PREC=precision,
-        num_warps=num_warps, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
