@@ -28,9 +28,16 @@ from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2
 BLOCK_N = 64            # context tokens per inner step (spans one or more cache blocks)
 MIN_PARTITION = 256     # below this a partition's fixed cost outweighs the parallelism it adds
 _SINGLE = 1 << 30       # "partition" length meaning: the whole context, no split
+MIN_BLOCK_P = 16        # the reduction's partition vector: one compiled variant up to 16 partitions
 
 
-@triton.jit
+# Runtime-varying integers are not specialized: Triton would otherwise compile a new variant when
+# one of them becomes 1 or a multiple of 16 (the block-table width does as contexts grow), and each
+# compile stalls the serving loop for up to a second on a GPU.
+_VARYING = ["partition", "stride_bt", "num_parts"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
                    part_out, part_m, part_l, qk_scale, partition,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -104,7 +111,7 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_
         tl.store(part_out + slot[:, None] * head_dim + d[None, :], res, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition", "num_parts"])
 def _decode_reduce_kernel(part_out, part_m, part_l, seq_lens, query_start_loc, out, partition,
                           stride_ot, stride_oh, num_heads, num_parts, head_dim,
                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -179,4 +186,4 @@ def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_m, part_l, seq_lens, query_start_loc, out, partition,
             out.stride(0), out.stride(1), num_heads, num_parts, head_dim,
-            BLOCK_P=next_pow2(num_parts), BLOCK_D=next_pow2(head_dim), num_warps=4)
+            BLOCK_P=max(MIN_BLOCK_P, next_pow2(num_parts)), BLOCK_D=next_pow2(head_dim), num_warps=4)

@@ -35,6 +35,9 @@ from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2
 # float32 runs its "ieee" tl.dot on FMA units: register-hungry, it spills a little on sm_90 at any
 # tile size; the smallest spill was 32 x 32 on 8 warps.  float32 is for checking, not for serving speed.
 TILE = {torch.float16: (64, 64, 4, 2), torch.bfloat16: (64, 64, 4, 2), torch.float32: (32, 32, 8, 2)}
+# Each program scans the batch's tile ends to find its sequence, over a power-of-two vector (a
+# compile-time size); one size for every batch up to 256 sequences means one compiled variant.
+MIN_BLOCK_S = 256
 
 
 @triton.jit
@@ -65,7 +68,9 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, 
     return acc, l_i, m_i
 
 
-@triton.jit
+# Runtime-varying integers are not specialized (see kernels/paged_decode.py): no recompiles as the
+# batch and the block-table width change from step to step.
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_tiles, out,
                     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_ct, stride_ch, num_seqs, group, head_dim,
@@ -147,5 +152,6 @@ def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_seqs, group, head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=next_pow2(head_dim), BLOCK_S=next_pow2(num_seqs), UPCAST=upcast, DOT_PREC=precision,
+        BLOCK_D=next_pow2(head_dim), BLOCK_S=max(MIN_BLOCK_S, next_pow2(num_seqs)), UPCAST=upcast,
+        DOT_PREC=precision,
         num_warps=num_warps, num_stages=num_stages)
