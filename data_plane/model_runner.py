@@ -16,6 +16,7 @@ from data_plane import attention, kv_pool, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
+from ops import warmup
 from ops.cache_ops import copy_blocks
 from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
@@ -83,6 +84,10 @@ class ModelRunner:
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
+        if self.device.type == "cuda" and attention_ops.use_triton(self.device):
+            heads = mc.num_attention_heads // config.tensor_parallel_size
+            log.info("Triton kernels compiled for every kind of step in %.1f s",
+                     warmup.compile_kernels(self.layer_caches, heads))
         # few-token steps (a batch's tail) stream the weights through the CPU kernel
         skinny = linear_ops.use_skinny_kernel(model)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; few-row linear kernel "
