@@ -46,11 +46,12 @@ def compile_kernels(caches: list[torch.Tensor], num_heads: int) -> float:
     width = -(-SPLIT_CONTEXT // block_size)
     paged_attention(query(1), k_cache, v_cache, torch.zeros(1, width, dtype=torch.int32, device=device),
                     ints([SPLIT_CONTEXT]), ints([0, 1]), scale, 1)
-    if device.type == "cuda":   # as many sequences as kernels.paged_decode needs to skip the split
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        many = -(-4 * sms // num_kv_heads)
-        paged_attention(query(many), k_cache, v_cache, torch.zeros(many, 1, dtype=torch.int32, device=device),
-                        ints([1] * many), torch.arange(many + 1, dtype=torch.int32, device=device), scale, 1)
+    # as many one-token sequences as kernels.paged_decode needs to run without the split (on CPU, where
+    # nothing is compiled, a few: the same call)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    many = -(-4 * sms // num_kv_heads)
+    paged_attention(query(many), k_cache, v_cache, torch.zeros(many, 1, dtype=torch.int32, device=device),
+                    ints([1] * many), torch.arange(many + 1, dtype=torch.int32, device=device), scale, 1)
     paged_attention(query(2), k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
                     ints([2]), ints([0, 2]), scale, 2)
     copy_blocks(caches, ints([0], torch.int64), ints([0], torch.int64))
