@@ -4,8 +4,8 @@ Triton compiles a kernel the first time it meets a new specialization (its compi
 which integer arguments are 1 or multiples of 16). On a GPU each compile takes a fraction of a
 second to a second, and one that happens in the middle of serving stalls every running sequence.
 The kernels leave runtime-varying integers unspecialized, so a step kind has one variant: this runs
-each kind once on the real cache (the calls read the cache, write nothing to it) so that all of
-them are compiled at start:
+each kind once on the real cache (it is left as it was: the calls read it, and the one copy puts
+block 0 back onto itself) so that all of them are compiled at start:
 
     write_kv           a padding slot (-1): the kernel runs, stores nothing
     decode, split-K    one long sequence: partitions plus the reduction kernel
