@@ -39,21 +39,6 @@ SHAPES = [("decode", 1, 128), ("decode", 8, 1024), ("decode", 64, 1024), ("decod
           ("prefill", 64, 1024), ("prefill", 1, 8192), ("prefill", 8, 8192)]
 
 
-def one_call_ms(fn, reps=20):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def back_to_back_ms(fn, n=50):
     """(GPU ms per call, CPU ms per launch) over n calls in a row."""
     for _ in range(5):
@@ -92,7 +77,7 @@ def profile_kernels():
         s = paged_kernels.Setup(args, batch, ctx, 1 if kind == "decode" else ctx, device)
         for name, fn in (("paged", s.paged), ("sdpa", s.contiguous)):
             gpu, cpu = back_to_back_ms(fn)
-            print(f"{kind:8}{batch:>5}{ctx:>6} {name:6} single {one_call_ms(fn):7.3f}  b2b gpu {gpu:7.3f}  "
+            print(f"{kind:8}{batch:>5}{ctx:>6} {name:6} single {paged_kernels.cuda_ms(fn, 5, 20):7.3f}  b2b gpu {gpu:7.3f}  "
                   f"cpu/launch {cpu:6.3f}  graph {graph_ms(fn):7.3f}", flush=True)
         if kind == "prefill":
             base, ranked = paged_prefill.TILE[torch.bfloat16], []

@@ -64,3 +64,15 @@ def test_cpu_kernels_quick():
     assert len(rows) == 3, out
     for speedup, diff in rows:
         assert float(speedup) > 0 and float(diff) < 1e-3, out
+
+
+def test_gpu_profile_imports_and_refuses_without_cuda():
+    """bench/gpu_profile.py is CUDA-only: without a GPU it still imports what it uses (the other
+    benches, the kernels) and says what to run instead, with exit code 2."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the profile would run for minutes")
+    done = subprocess.run([sys.executable, os.path.join("bench", "gpu_profile.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs CUDA" in done.stderr and "bench/overhead.py" in done.stderr
