@@ -40,7 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="abc", help="which of a, b, c to run")
     ap.add_argument("--cb-page-size", type=int, default=256, help="(c)'s page size in tokens (its default)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="step budget of (a) and (c)")
-    # 256: the whole default trace in one batch. On 2 CPU cores this gave (a) 206 tok/s against 176 at
+    # 256: the whole default trace in one batch. On 2 CPU cores (a) alone made 198 tok/s against 176 at
     # the server's default of 128 (the tail of few-sequence steps is shorter); (c) gets the same.
     ap.add_argument("--max-num-seqs", type=int, default=256, help="batch size of (a) and (c)")
     # The other benches clip outputs at 128 tokens; here the long tail of ShareGPT-like outputs is
