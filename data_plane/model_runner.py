@@ -84,10 +84,9 @@ class ModelRunner:
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
-        if self.device.type == "cuda" and attention_ops.use_triton(self.device):
-            heads = mc.num_attention_heads // config.tensor_parallel_size
-            log.info("Triton kernels compiled for every kind of step in %.1f s",
-                     warmup.compile_kernels(self.layer_caches, heads))
+        compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
+        if compiled is not None:
+            log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         # few-token steps (a batch's tail) stream the weights through the CPU kernel
         skinny = linear_ops.use_skinny_kernel(model)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; few-row linear kernel "

@@ -19,13 +19,22 @@ import time
 
 import torch
 
-from ops.attention import paged_attention, write_kv
+from ops.attention import paged_attention, use_triton, write_kv
 from ops.cache_ops import copy_blocks
 
 SPLIT_CONTEXT = 1024   # long enough to be split into a few partitions on any GPU
 
 
-def compile_kernels(caches: list[torch.Tensor], num_heads: int) -> float:
+def warm_up(caches: list[torch.Tensor], num_heads: int) -> float | None:
+    """Compiles the kernels if these caches' device runs compiled Triton kernels (a GPU); returns the
+    seconds it took, or None where nothing is compiled (the CPU path, Triton's interpreter)."""
+    device = caches[0].device
+    if device.type != "cuda" or not use_triton(device):
+        return None
+    return run_each_kernel(caches, num_heads)
+
+
+def run_each_kernel(caches: list[torch.Tensor], num_heads: int) -> float:
     """Runs each attention and cache kernel once over caches[0] / caches[1] (a layer's K and V, shaped
     [blocks, block_size, kv_heads, head_dim]); copy_blocks over all of `caches`. Returns seconds."""
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""ops.warmup.compile_kernels runs every Triton kernel once and leaves the cache as it was."""
+"""ops.warmup runs every Triton kernel once, leaves the cache as it was, and only where kernels are compiled."""
 import pytest
 import torch
 
@@ -20,7 +20,7 @@ def test_warm_up_runs_each_kernel_and_writes_nothing(kt, monkeypatch, dtype):
     # two layers, K and V; on a GPU the kernels are compiled, on CPU interpreted
     caches = [torch.randn(6, 16, 2, 64, generator=gen, device=kt.device).to(dtype) for _ in range(4)]
     before = [c.clone() for c in caches]
-    seconds = warmup.compile_kernels(caches, num_heads=4)
+    seconds = warmup.run_each_kernel(caches, num_heads=4)
     assert seconds >= 0
     assert sorted(set(calls)) == ["copy_blocks_triton", "paged_decode", "paged_prefill", "write_kv_triton"]
     assert all(torch.equal(a, b) for a, b in zip(caches, before))
@@ -30,7 +30,8 @@ def test_runner_warms_up_only_on_cuda_with_triton(monkeypatch):
     """On CPU (even with the Triton path forced, interpreted) nothing is compiled, so no warm-up."""
     from tests.unit.test_model_runner import make_runner, paged_model
     called = []
-    monkeypatch.setattr(warmup, "compile_kernels", lambda *a, **k: called.append(1) or 0.0)
+    monkeypatch.setattr(warmup, "run_each_kernel", lambda *a, **k: called.append(1) or 0.0)
     monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
     make_runner(paged_model(seed=0), block_size=8)
+    assert warmup.warm_up([torch.zeros(2, 8, 1, 16)] * 2, num_heads=2) is None
     assert called == []
