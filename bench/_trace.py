@@ -137,13 +137,13 @@ class FakeDataPlane:
             self.seqs[new.seq_id] = _SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                               list(new.block_ids), new.sampling)
             scheduled.append((new.seq_id, new.num_new_tokens))
-        for seq_id, num_new, appended, tokens in plan.cont_seqs:
-            state = self.seqs[seq_id]
-            state.block_ids.extend(appended)
-            state.token_ids.extend(tokens)
-            scheduled.append((seq_id, num_new))
-        for seq_id, index, block in plan.remaps:
-            self.seqs[seq_id].block_ids[index] = block
+        for cached in plan.cached_seqs:
+            state = self.seqs[cached.seq_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)
+            for index, block in cached.remaps:
+                state.block_ids[index] = block
+            scheduled.append((cached.seq_id, cached.num_new_tokens))
         sampled, num_tokens = [], 0
         for seq_id, num_new in scheduled:
             st = self.seqs[seq_id]
@@ -208,7 +208,7 @@ def observe_pool(engine: Engine, samples: list[StepSample]):
 
     def observe(plan: StepPlan) -> None:
         new_tokens = {s.seq_id: s.num_new_tokens for s in plan.new_seqs}
-        new_tokens.update({seq_id: n for seq_id, n, _, _ in plan.cont_seqs})
+        new_tokens.update({s.seq_id: s.num_new_tokens for s in plan.cached_seqs})
         if not new_tokens:
             return
         covered = [s.num_computed_tokens + new_tokens.get(s.seq_id, 0) for s in sched.running]

@@ -103,7 +103,7 @@ class DataPlaneStats:
         if result.error:
             self.step_errors.inc()
             return
-        num_seqs = len(plan.new_seqs) + len(plan.cont_seqs)
+        num_seqs = len(plan.new_seqs) + len(plan.cached_seqs)
         if num_seqs:
             self.forward_time.observe(result.forward_seconds)
             self.step_tokens.observe(result.num_tokens)

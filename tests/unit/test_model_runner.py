@@ -10,7 +10,7 @@ from control_plane.sequence import Sequence
 from data_plane import attention
 from data_plane.model_runner import ModelRunner, PlanError
 from shared.config import DataPlaneConfig
-from shared.protocol import StepPlan
+from shared.protocol import CachedSequence, StepPlan
 from tests.factories import tiny_llama
 
 
@@ -37,7 +37,9 @@ def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8, caching=T
     while sched.has_work():
         out = sched.schedule()
         step += 1
-        result = runner.execute(build_plan(step, out, sched.bm))
+        plan = build_plan(step, out, sched.bm)
+        sched.commit(out)
+        result = runner.execute(plan)
         assert result.error is None
         sched.on_step_done(out)
         by_id = {s.seq_id: s for s in seqs}
@@ -88,7 +90,7 @@ def test_paged_greedy_matches_transformers_under_preemption(reference_model):
 def test_runner_refuses_out_of_range_blocks_and_unknown_sequences():
     runner = make_runner(paged_model(seed=0), num_blocks=8)
     with pytest.raises(PlanError):
-        runner.execute(StepPlan(1, cont_seqs=[(123, 1, [], [])]))
+        runner.execute(StepPlan(1, cached_seqs=[CachedSequence(123, 1)]))
     from shared.protocol import NewSequence, SamplingSpec
     with pytest.raises(PlanError):
         runner.execute(StepPlan(2, new_seqs=[NewSequence(1, [1, 2], 2, 0, 2, [99], SamplingSpec())]))

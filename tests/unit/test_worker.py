@@ -17,7 +17,7 @@ class StubRunner:
 
     def execute(self, plan):
         self.plans.append(plan)
-        if plan.cont_seqs:
+        if plan.cached_seqs:
             raise PlanError("plan continues unknown sequence 5")
         if plan.new_seqs:
             sum(plan.new_seqs[0].token_ids)   # a string where ints belong: TypeError
@@ -45,7 +45,7 @@ def test_hostile_frames_are_dropped_and_the_loop_goes_on(monkeypatch):
 
 def test_a_bad_plan_gets_an_error_result_not_a_crash(monkeypatch):
     worker, replies = make_worker(monkeypatch)
-    assert worker.handle(b"peer", P.encode(P.STEP_PLAN, P.StepPlan(3, cont_seqs=[(5, 1, [], [])])))
+    assert worker.handle(b"peer", P.encode(P.STEP_PLAN, P.StepPlan(3, cached_seqs=[P.CachedSequence(5, 1)])))
     kind, result = replies[-1]
     assert kind == P.STEP_RESULT and result.step_id == 3 and "unknown sequence" in result.error
     assert worker.handle(b"peer", P.encode(P.STEP_PLAN, P.StepPlan(4)))
