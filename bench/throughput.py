@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     server = None
     if "a" in args.systems:   # the data plane loads its model while this process loads its own
         pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
-        server = C.ServerProcess(args.num_threads, ["--max-num-seqs", str(args.max_num_seqs),
+        server = C.start_server(args.num_threads, ["--max-num-seqs", str(args.max_num_seqs),
                                                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                                     *pool])
     model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
