@@ -20,6 +20,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, log, what: str = "server",
+                       poll: float = 0.5) -> None:
+    """Polls `url` until it answers 200. Raises, with `log()` (the tail of the process's output), when
+    the process exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(poll)
+    raise RuntimeError(f"{what} not ready in {timeout:.0f}s:\n{log()}")
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
     """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
     if proc.poll() is None:
@@ -57,17 +74,8 @@ class Server:
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self) -> "Server":
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"server not ready in {self.startup_timeout:.0f}s:\n{self.log()}")
+        wait_until_healthy(self.proc, self.url + "/health", self.startup_timeout, self.log)
+        return self
 
     def log_all(self) -> str:
         self._log.flush()

@@ -22,7 +22,7 @@ import yaml
 
 from tests.e2e.client import post_many
 from tests.helpers import TEXT_PROMPTS
-from tests.servers import ROOT, STARTUP_TIMEOUT, free_port, stop_process
+from tests.servers import ROOT, STARTUP_TIMEOUT, free_port, stop_process, wait_until_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -48,17 +48,7 @@ class Proc:
             return f.read()[-4000:]
 
     def wait_http(self, url: str, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready at {url}:\n{self.log()}")
+        wait_until_healthy(self.proc, url, max(0.0, deadline - time.monotonic()), self.log, f"{self.name} at {url}")
 
     def stop(self) -> None:
         stop_process(self.proc, timeout=20)
