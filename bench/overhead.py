@@ -65,6 +65,11 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(C.FIRST_ORDINARY_TOKEN, VOCAB_SIZE) for _ in range(n)]
 
 
+def num_batched_tokens(out) -> int:
+    """Tokens a SchedulerOutput scheduled."""
+    return sum(s.num_new_tokens for s in out.scheduled)
+
+
 def ms(seconds_list) -> float:
     return 1000 * C.mean(list(seconds_list))
 
@@ -109,11 +114,6 @@ class Probe:
         return parts
 
 
-def batched_tokens(out) -> int:
-    """Tokens a scheduler output computes (prompt chunks and decodes)."""
-    return sum(s.num_new_tokens for s in out.scheduled)
-
-
 async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
     from control_plane.dp_client import DataPlaneClient
     from control_plane.engine import Engine
@@ -133,7 +133,7 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
             t = time.perf_counter()
             await engine.step()
             times.append(time.perf_counter() - t)
-            got = batched_tokens(probe.last_out)
+            got = num_batched_tokens(probe.last_out)
             assert got == expect_tokens, f"a measured step computed {got} tokens, expected {expect_tokens}"
         return times, probe.take()
 
@@ -146,7 +146,7 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
             for _ in range(10_000):   # prefill (in chunks, mixed with early decodes) until all sequences decode
                 await engine.step()
                 out = probe.last_out
-                if len(out.scheduled) == num_seqs and batched_tokens(out) == num_seqs:
+                if len(out.scheduled) == num_seqs and num_batched_tokens(out) == num_seqs:
                     break
             else:
                 raise RuntimeError(f"{label}: the engine never scheduled all {num_seqs} sequences in one step")
