@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     server = None
     if "a" in args.systems:   # the data plane loads its model while this process loads its own
         pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
-        server = C.ServerProcess(args.num_threads, [*args.server_flags, *pool, "--dtype", args.dtype])
+        server = C.start_server(args.num_threads, [*args.server_flags, *pool, "--dtype", args.dtype])
     model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
     if model is not None and args.dtype != "float32":
         import torch

@@ -13,10 +13,7 @@ Anything else is 400 with code `unknown_field`.
 """
 from __future__ import annotations
 
-from control_plane.sampling_params import ValidationError
-
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
+from control_plane.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, ValidationError
 
 
 def _int(desc: str, minimum: int | None = None, maximum: int | None = None) -> dict:

@@ -18,7 +18,7 @@ from ops import attention as attention_ops
 from ops import linear as linear_ops
 from ops import warmup
 from ops.cache_ops import copy_blocks
-from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, split_model_path
+from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -67,8 +67,8 @@ class ModelRunner:
             // config.tensor_parallel_size
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.dtype = getattr(torch, config.dtype)
-        block_bytes = kv_pool.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                              self.head_dim, self.dtype)
+        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                     config.dtype)
         self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
                                                     config.kv_cache_gib)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,

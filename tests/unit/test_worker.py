@@ -3,25 +3,9 @@ import uuid
 
 import msgpack
 
-from data_plane.model_runner import PlanError
 from data_plane.worker import Worker
 from shared import protocol as P
-
-
-class StubRunner:
-    def __init__(self):
-        self.plans = []
-
-    def handshake(self):
-        return P.Handshake("stub", 10, 1, 1, 8, "float32", 16, 4, 0, 64, "cpu", [2])
-
-    def execute(self, plan):
-        self.plans.append(plan)
-        if plan.cached_seqs:
-            raise PlanError("plan continues unknown sequence 5")
-        if plan.new_seqs:
-            sum(plan.new_seqs[0].token_ids)   # a string where ints belong: TypeError
-        return P.StepResult(plan.step_id)
+from tests.helpers import StubRunner
 
 
 def make_worker(monkeypatch):
