@@ -14,7 +14,7 @@ from control_plane.dp_client import DataPlaneClient, DataPlaneDead
 from control_plane.plan_builder import build_plan
 from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request, RequestOutput
-from control_plane.sampling_params import SamplingParams, ValidationError
+from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
 from control_plane.scheduler import Scheduler
 from control_plane.sequence import Sequence, SeqStatus
 from shared.config import ControlPlaneConfig
@@ -54,19 +54,26 @@ class Engine:
     # --- requests ---------------------------------------------------------------------
     @property
     def pool_capacity_tokens(self) -> int:
-        return self.hs.num_device_blocks * self.hs.block_size
+        """Tokens one sequence can ever hold: the pool less the blocks admission keeps free."""
+        return (self.hs.num_device_blocks - self.scheduler.watermark_blocks) * self.hs.block_size
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_length(self, num_prompt_tokens: int, max_tokens: int, width: int = 1) -> None:
         limit = self.hs.max_model_len
         if num_prompt_tokens + max_tokens > limit:
             raise ValidationError(
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
                 f"context of {limit} tokens; shorten the prompt or lower max_tokens", "max_tokens",
                 "context_length_exceeded")
-        if num_prompt_tokens + max_tokens > self.pool_capacity_tokens:
+        bs = self.hs.block_size
+        needed = num_prompt_tokens + max_tokens
+        if width > 1:   # the sequences share the prompt's blocks; each may own its tail plus one copy
+            needed = -(-num_prompt_tokens // bs) * bs + width * (-(-max_tokens // bs) + 1) * bs
+        if needed > self.pool_capacity_tokens:
             raise ValidationError(
-                f"the prompt plus max_tokens ({num_prompt_tokens + max_tokens} tokens) can never fit the KV "
-                f"pool of {self.pool_capacity_tokens} tokens", "max_tokens", "context_length_exceeded")
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) for {width} "
+                f"sequence{'s' if width > 1 else ''} needs {-(-needed // bs)} KV blocks of {bs} tokens; this "
+                f"server's pool gives one request at most {self.pool_capacity_tokens // bs}, so it can never "
+                "run: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -75,7 +82,8 @@ class Engine:
         if bad:
             raise ValidationError(f"token ids out of the vocabulary [0, {self.hs.vocab_size}): {bad[:5]}",
                                   "prompt", "invalid_token_id")
-        self.check_length(len(prompt_ids), params.max_tokens)
+        check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
+        self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
