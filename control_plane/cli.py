@@ -91,7 +91,7 @@ class SpawnedDataPlane:
 
 
 async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -> None:
-    from control_plane.dp_client import DataPlaneClient
+    from control_plane.dp_client import DataPlaneClient, DataPlaneRefused
     from control_plane.engine import Engine
 
     loop = asyncio.get_running_loop()
@@ -114,7 +114,12 @@ async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -
             await client.shutdown()
             client.close()
             return
-    hs = handshake_task.result()
+    try:
+        hs = handshake_task.result()
+    except DataPlaneRefused as exc:   # another control plane owns it: it keeps it, we leave
+        client.close()
+        log.error("%s", exc)
+        raise SystemExit(f"pagedserve: {exc}") from None
     log.info("data plane ready: %s on %s, %s, %d blocks of %d tokens, max length %d", hs.model_id, hs.device,
              hs.dtype, hs.num_device_blocks, hs.block_size, hs.max_model_len)
     engine = Engine(cp, client, hs, await tokenizer_task)
@@ -133,8 +138,10 @@ async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Ev
     from aiohttp import web
 
     from control_plane.api import make_app
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
+    from control_plane.http_guard import GuardedAppRunner
+    # header, body and keep-alive read timeouts: slow clients cannot hold connections
+    runner = GuardedAppRunner(make_app(engine), handler_cancellation=True, access_log=None,
+                              shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, cp.host, cp.port).start()
     log.info("serving %s on http://%s:%d%s", cp.model_name, cp.host, cp.port, what)

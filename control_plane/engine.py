@@ -17,6 +17,7 @@ from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
 from control_plane.scheduler import Scheduler
 from control_plane.sequence import Sequence, SeqStatus
+from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
 from shared.protocol import Handshake, SampledToken
 
@@ -47,9 +48,26 @@ class Engine:
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
-        self.data_plane_alive = True
+        self._answering = True   # False from a failed exchange until the data plane answers a handshake
+        self._link_lost = False  # the client's monitor saw the link drop: re-handshake at once
+        if hasattr(client, "on_link_down"):
+            client.on_link_down = self._on_link_down
+        self.isolation = FailureIsolation(self)   # a failed step fails only the request that caused it
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
+
+    @property
+    def data_plane_alive(self) -> bool:
+        """What /health reports: the data plane answers, and the link to it is up."""
+        return self._answering and getattr(self.client, "link_up", True)
+
+    @data_plane_alive.setter
+    def data_plane_alive(self, value: bool) -> None:
+        self._answering = value
+
+    def _on_link_down(self) -> None:
+        self._link_lost = True
+        self._wakeup.set()
 
     # --- requests ---------------------------------------------------------------------
     @property
@@ -100,6 +118,7 @@ class Engine:
             req.beam.start(seq.seq_id)
         self._register(req, seq)
         self.scheduler.add(seq)
+        self.isolation.admitted(req)
         self.stats.on_arrival(len(prompt_ids))
         self._wakeup.set()
         return req
@@ -140,6 +159,10 @@ class Engine:
             if now - last_log >= self.config.log_interval:
                 self._log_progress(now - last_log)
                 last_log = now
+            if self._link_lost:
+                self._link_lost = False
+                await self._guarded(self._link_down())
+            self.isolation.release()
             if not self.scheduler.has_work():
                 self._wakeup.clear()
                 try:
@@ -150,6 +173,9 @@ class Engine:
             self._expire_deadlines()   # before scheduling: an expired request takes no more steps
             if self.scheduler.has_work():
                 await self._guarded(self.step())
+
+    async def _link_down(self) -> None:
+        raise DataPlaneDead(f"the link to the data plane at {getattr(self.client, 'address', '?')} dropped")
 
     async def _guarded(self, work) -> None:
         """Runs one exchange with the data plane. If it died: restart it when we spawned it, wait
@@ -167,7 +193,9 @@ class Engine:
                     self.hs = await self.client.handshake(self.config.step_timeout + RESTART_SECONDS)
                 except DataPlaneDead as again:
                     log.error("%s", again)
+                    await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
                     continue
+                self._link_lost = False   # the drop that led here is handled
                 self._requeue_all()
                 self.data_plane_alive = True
                 return
@@ -183,6 +211,7 @@ class Engine:
         log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:
+        self.isolation.release()
         out = self.scheduler.schedule()
         sched = self.scheduler
         if out.is_empty and not sched.running and (sched.swapped or sched.waiting):
@@ -203,11 +232,9 @@ class Engine:
                             result.forward_seconds)
         if result.error:
             log.error("step %d failed on the data plane: %s", plan.step_id, result.error)
-            for s in out.scheduled:
-                req = self.owners.get(s.seq.seq_id)
-                if req is not None and not req.finished:
-                    self._fail(req, result.error)
+            self.isolation.on_failure(out, result.error)
             return
+        self.isolation.on_success(out)
         self.scheduler.on_step_done(out)
         self._apply_result(result.sampled)
 
