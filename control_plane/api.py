@@ -190,6 +190,8 @@ class Api:
             return await self._collect(requests, meta, chat, return_ids)
         finally:
             for r in requests:
+                if not r.finished:
+                    log.debug("request %s ended before it finished (the client went away); aborted", r.request_id)
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
     async def _collect(self, requests: list[Request], meta, chat, return_ids) -> web.Response:

@@ -2,7 +2,7 @@
 
 The link is watched two ways, so that /health follows it within a second of a death:
 - a ZeroMQ socket monitor reports the disconnect of a data plane whose process ends (its
-  socket closes, whatever the transport);
+  socket closes, whatever the transport); `link_up` reads it;
 - ZMTP heartbeats (answered by the peer's I/O thread even while it computes a long step)
   close the link to a peer that goes silent without closing (SIGSTOP, a lost network).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Callable
 
 import zmq
@@ -27,9 +28,13 @@ from shared import protocol as P
 
 log = logging.getLogger("pagedserve.control_plane")
 POLL_SLICE_SECONDS = 0.5
-HEARTBEAT_IVL_MS = 500        # ZMTP pings on the link ...
-HEARTBEAT_TIMEOUT_MS = 3000   # ... and how long a silent peer has before the link is closed
-REFUSAL_GRACE_SECONDS = 5.0   # a refused handshake is tried again this long: the owner may be dying
+HEARTBEAT_IVL_MS = 1000       # ZMTP pings on the link ...
+# ... and how long a silent peer has before the link is closed: generous, because a false alarm
+# costs a restart of the data plane, and a loaded machine can starve its I/O thread for seconds
+HEARTBEAT_TIMEOUT_MS = 10000
+# a refused handshake is tried again this long: the owner may be frozen, and the data plane
+# closes its link only after its own heartbeat timeout (data_plane/worker.py, also 10 s)
+REFUSAL_GRACE_SECONDS = 12.0
 HELLO_RETRY_SECONDS = 0.5
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -49,13 +54,15 @@ class DataPlaneClient:
         # CURVE: the link is encrypted and the data plane admits us only with the client key
         self.curve = curve.load_client_keys(curve_keys) if curve_keys else None
         self.alive_check: Callable[[], bool] | None = None   # False once the data-plane process is gone
-        self.on_link_down: Callable[[], None] | None = None  # called by the monitor on a disconnect
         self.token: str | None = None     # our owner token, once a handshake gave us one
-        self.link_up = False              # the monitor's view: a ZMTP session is established
+        self._link_up = False             # the monitor's view: a ZMTP session is established
         self.link_drops = 0               # disconnects seen so far
         self.ctx = zmq.asyncio.Context.instance()
+        # the monitor is read synchronously, in order, whenever the link's state matters: its events
+        # precede any message of the connection they describe, so no stale event can follow a reply
+        self._sync_ctx = zmq.Context.shadow(self.ctx.underlying)
         self.sock = None
-        self._monitor_task: asyncio.Task | None = None
+        self._monitor = None
         self._connect()
 
     def _connect(self) -> None:
@@ -69,42 +76,38 @@ class DataPlaneClient:
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if self.curve is not None:
             curve.secure_client(self.sock, self.curve)
-        self._monitor = self.sock.get_monitor_socket(LINK_EVENTS)
+        address = f"inproc://dp-monitor-{uuid.uuid4().hex}"
+        self.sock.monitor(address, LINK_EVENTS)
+        self._monitor = self._sync_ctx.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
         self.sock.connect(self.address)
-        self.link_up = False
-
-    def _ensure_monitor(self) -> None:
-        if self._monitor_task is None or self._monitor_task.done():
-            self._monitor_task = asyncio.get_running_loop().create_task(self._watch(self._monitor))
+        self._link_up = False
 
     def _stop_monitor(self) -> None:
-        if self._monitor_task is not None:
-            self._monitor_task.cancel()
-            self._monitor_task = None
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
         self._monitor.close(0)
 
-    async def _watch(self, monitor) -> None:
+    @property
+    def link_up(self) -> bool:
+        """Whether a session with the data plane is established now (reads the monitor's news)."""
         while True:
             try:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return self._link_up
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.link_up = True
-            elif self.link_up:   # a disconnect, or a failed ZMTP/CURVE handshake
-                self.link_up = False
+                self._link_up = True
+            elif self._link_up:   # a disconnect, or a failed ZMTP/CURVE handshake
+                self._link_up = False
                 self.link_drops += 1
                 log.error("the link to the data plane at %s is down", self.address)
-                if self.on_link_down is not None:
-                    self.on_link_down()
 
     async def _request(self, kind: str, message, expect: str, timeout: float, resend_on_drop: bool = False):
-        self._ensure_monitor()
-        if not resend_on_drop and self.link_drops and not self.link_up:
+        if not resend_on_drop and not self.link_up and self.link_drops:
             raise DataPlaneDead(f"the link to the data plane at {self.address} is down")
         await self.sock.send(P.encode(kind, message))
         drops = self.link_drops
@@ -116,10 +119,11 @@ class DataPlaneClient:
                 self._connect()  # drop whatever the dead peer may still send late
                 why = f"within {timeout:.0f}s" if remaining <= 0 else "(its process exited)"
                 raise DataPlaneDead(f"no {expect} from the data plane at {self.address} {why}")
+            up = self.link_up   # reads the monitor's news
             if self.link_drops != drops:
                 if not resend_on_drop:   # what we sent, or its answer, went down with the link
                     raise DataPlaneDead(f"the link to the data plane at {self.address} dropped")
-                if self.link_up:         # back: say it again, the first one may be lost
+                if up:                   # back: say it again, the first one may be lost
                     drops = self.link_drops
                     await self.sock.send(P.encode(kind, message))
             if not await self.sock.poll(min(remaining, POLL_SLICE_SECONDS) * 1000):
@@ -155,7 +159,6 @@ class DataPlaneClient:
                 await asyncio.sleep(HELLO_RETRY_SECONDS)
                 continue
             self.token = hs.owner_token
-            self.link_up = True   # it answered: whatever the monitor has yet to report
             return hs
 
     async def step(self, plan: P.StepPlan, timeout: float) -> P.StepResult:

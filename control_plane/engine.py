@@ -49,25 +49,19 @@ class Engine:
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
         self._answering = True   # False from a failed exchange until the data plane answers a handshake
-        self._link_lost = False  # the client's monitor saw the link drop: re-handshake at once
-        if hasattr(client, "on_link_down"):
-            client.on_link_down = self._on_link_down
         self.isolation = FailureIsolation(self)   # a failed step fails only the request that caused it
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
 
     @property
     def data_plane_alive(self) -> bool:
-        """What /health reports: the data plane answers, and the link to it is up."""
+        """What /health reports: the data plane answers, and the link to it is up (the client's
+        socket monitor sees a disconnect at once; a lost link is re-established at the next ping)."""
         return self._answering and getattr(self.client, "link_up", True)
 
     @data_plane_alive.setter
     def data_plane_alive(self, value: bool) -> None:
         self._answering = value
-
-    def _on_link_down(self) -> None:
-        self._link_lost = True
-        self._wakeup.set()
 
     # --- requests ---------------------------------------------------------------------
     @property
@@ -159,9 +153,6 @@ class Engine:
             if now - last_log >= self.config.log_interval:
                 self._log_progress(now - last_log)
                 last_log = now
-            if self._link_lost:
-                self._link_lost = False
-                await self._guarded(self._link_down())
             self.isolation.release()
             if not self.scheduler.has_work():
                 self._wakeup.clear()
@@ -173,9 +164,6 @@ class Engine:
             self._expire_deadlines()   # before scheduling: an expired request takes no more steps
             if self.scheduler.has_work():
                 await self._guarded(self.step())
-
-    async def _link_down(self) -> None:
-        raise DataPlaneDead(f"the link to the data plane at {getattr(self.client, 'address', '?')} dropped")
 
     async def _guarded(self, work) -> None:
         """Runs one exchange with the data plane. If it died: restart it when we spawned it, wait
@@ -195,7 +183,6 @@ class Engine:
                     log.error("%s", again)
                     await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
                     continue
-                self._link_lost = False   # the drop that led here is handled
                 self._requeue_all()
                 self.data_plane_alive = True
                 return

@@ -32,7 +32,7 @@ from shared import protocol as P
 
 log = logging.getLogger("pagedserve.data_plane")
 HEARTBEAT_IVL_MS = 1000       # ZMTP pings to every peer ...
-HEARTBEAT_TIMEOUT_MS = 3000   # ... a peer that does not answer is disconnected (and loses ownership)
+HEARTBEAT_TIMEOUT_MS = 10000  # ... a peer that does not answer is disconnected (and loses ownership)
 MAX_TRACKED_PEERS = 1024      # peers remembered for "log once" (a flood must not grow memory)
 
 
