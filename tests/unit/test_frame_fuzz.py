@@ -35,13 +35,13 @@ def check(frame: bytes) -> None:
     P.encode(kind, message)
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(st.one_of(values, near_frames, st.lists(values, min_size=3, max_size=3)))
 def test_any_msgpack_value_decodes_or_raises_protocol_error(value):
     check(pack(value))
 
 
-@settings(max_examples=500, deadline=None, database=None)
+@settings(max_examples=300, deadline=None, database=None)
 @given(st.binary(max_size=200))
 def test_any_bytes_decode_or_raise_protocol_error(raw):
     check(raw)
