@@ -30,8 +30,9 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# the unit tests alone: in-process, no server, no bench (under a minute on 2 cores)
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -57,6 +57,8 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="pagedserve's KV pool, and so (c)'s cache (default: the server's, 1 GiB on CPU, "
                          "90%% of free memory on a GPU)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype in every system (tokens are compared only in float32)")
     ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
     args = ap.parse_args(argv)
     if args.quick:
@@ -201,15 +203,18 @@ def main(argv=None) -> int:
     print(C.machine_line(args.num_threads))
     print(C.cpu_check(args.num_threads))
     print(f"trace: seed {args.seed}, workload {args.workload}: {C.describe_trace(trace)}")
-    print("model: SmolLM2-135M-Instruct, float32, greedy, EOS ignored; all systems in this run, one after another")
+    print(f"model: SmolLM2-135M-Instruct, {args.dtype}, greedy, EOS ignored; all systems in this run, one after another")
     print(f"(a) and (c): batch size {args.max_num_seqs}, step budget {args.max_num_batched_tokens} tokens "
           f"({'given' if args.server_flags else 'the server defaults'})")
 
     server = None
     if "a" in args.systems:   # the data plane loads its model while this process loads its own
         pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
-        server = C.ServerProcess(args.num_threads, [*args.server_flags, *pool])
+        server = C.start_server(args.num_threads, [*args.server_flags, *pool, "--dtype", args.dtype])
     model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
+    if model is not None and args.dtype != "float32":
+        import torch
+        model = model.to(getattr(torch, args.dtype))
     results: dict[str, tuple[float, list[list[int]]]] = {}
     failures: dict[str, str] = {}
     pool_tokens = 1456 * 16   # pagedserve's default CPU pool (1 GiB), when (a) is not run
@@ -227,6 +232,8 @@ def main(argv=None) -> int:
         python, why_not = vllm_anchor.find()
         if python is None:
             failures["v"] = why_not
+        elif args.dtype != "float32":
+            failures["v"] = "the vLLM anchor is set up for float32 only"
         else:
             C.Timer.note("starting vLLM (its first start compiles the model: minutes)")
             vllm = vllm_anchor.VllmServer(python, C.free_port(), args.num_threads)

@@ -13,8 +13,8 @@ import glob
 import os
 import subprocess
 import tempfile
-import time
-import urllib.request
+
+from tests.servers import wait_until_healthy   # the benches put the repository on sys.path first
 
 CACHE = os.path.expanduser("~/.cache/pagedserve")
 VENV = os.environ.get("PAGEDSERVE_VLLM_VENV", os.path.join(CACHE, "vllm-venv"))
@@ -60,17 +60,8 @@ class VllmServer:
 
     def wait_ready(self, timeout: float = 900.0) -> "VllmServer":
         # the first start compiles the model with inductor (minutes); later starts load the cache
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(1.0)
-        raise RuntimeError(f"vLLM was not ready in {timeout:.0f}s:\n{self.log_tail()}")
+        wait_until_healthy(self.proc, self.url + "/health", timeout, self.log_tail, "vLLM", poll=1.0)
+        return self
 
     def log_tail(self) -> str:
         self._log.flush()

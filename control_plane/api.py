@@ -176,8 +176,8 @@ class Api:
                 raise ValidationError(f"'prompt' holds {len(prompts)} prompts; this server queues at most "
                                       f"{engine.config.max_waiting} requests (its --max-waiting): send at most "
                                       f"{engine.config.max_waiting} per request", "prompt", "too_many_prompts")
-            if len(engine.scheduler.waiting) + len(prompts) > engine.config.max_waiting:
-                return unavailable(f"the server is overloaded: {len(engine.scheduler.waiting)} requests are "
+            if engine.num_waiting() + len(prompts) > engine.config.max_waiting:
+                return unavailable(f"the server is overloaded: {engine.num_waiting()} requests are "
                                    "waiting already", code="overloaded")
             requests = self._start(prompts, params, timeout)
         except ValidationError as exc:
@@ -308,31 +308,18 @@ class Api:
         return web.json_response({"version": __version__, "model": self.engine.config.model_name,
                                   "device": hs.device, "dtype": hs.dtype, "block_size": hs.block_size,
                                   "num_device_blocks": hs.num_device_blocks, "num_cpu_blocks": hs.num_cpu_blocks,
-                                  "kv_block_bytes": self.engine.policy.block_bytes,
+                                  "kv_block_bytes": self.engine.kv_block_bytes,
                                   "preemption_mode": self.engine.config.preemption_mode})
 
     async def debug_kv(self, request: web.Request) -> web.Response:
         """Block accounting for operators and stress tests: blocks in use and the integrity check."""
-        sched = self.engine.scheduler
-        try:
-            sched.check_integrity()
-            integrity = "ok"
-        except AssertionError as exc:
-            integrity = f"violated: {exc}"
-        bm = sched.bm
-        cpu_total = bm.cpu_pool.num_blocks if bm.cpu_pool else 0
-        return web.json_response({
-            "device_blocks": bm.pool.num_blocks, "device_blocks_used": bm.pool.num_blocks - bm.num_free_blocks(),
-            "cpu_blocks": cpu_total, "cpu_blocks_used": cpu_total - (bm.cpu_pool.num_free if bm.cpu_pool else 0),
-            "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
-            "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
-            "integrity": integrity})
+        return web.json_response(self.engine.kv_report())
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(self._openapi)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.engine.stats.refresh_gauges(self.engine.scheduler)
+        self.engine.refresh_gauges()
         data = generate_latest(self.engine.stats.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

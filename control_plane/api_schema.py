@@ -13,11 +13,9 @@ Anything else is 400 with code `unknown_field`.
 """
 from __future__ import annotations
 
-from control_plane.sampling_params import (INT32_MAX, MAX_LENGTH_PENALTY, MAX_REPETITION_PENALTY, MAX_STOP_TOKEN_IDS,
-                                          MIN_REPETITION_PENALTY, ValidationError)
-
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
+from control_plane.sampling_params import (INT32_MAX, MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                                          MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY,
+                                          ValidationError)
 
 
 def _int(desc: str, minimum: int | None = None, maximum: int | None = None) -> dict:

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from shared.protocol import SamplingSpec, draw_seed
 
+# limits of a request body; control_plane.api_schema publishes the same numbers
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
 
 INT64_MAX = 2**63 - 1   # msgpack carries at most a signed 64-bit int (seed: the wire's largest)
 INT32_MAX = 2**31 - 1   # counts and token ids: far above any vocabulary or context
@@ -165,8 +169,9 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-        raise ValidationError("'stop' must be a non-empty string or a list of up to 16 of them", "stop", "invalid_type")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise ValidationError(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them",
+                              "stop", "invalid_type")
     p.stop = stop
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -195,7 +200,7 @@ def parse_timeout(body: dict, server_timeout: float | None) -> float | None:
 def _parse_logprobs(body: dict, chat: bool) -> int | None:
     if chat:
         wanted = flag(body, "logprobs")
-        return _number(body, "top_logprobs", 0, int, lo=0, hi=20) if wanted else None
+        return _number(body, "top_logprobs", 0, int, lo=0, hi=MAX_LOGPROBS) if wanted else None
     if body.get("logprobs") is None:
         return None
-    return _number(body, "logprobs", 0, int, lo=0, hi=20)
+    return _number(body, "logprobs", 0, int, lo=0, hi=MAX_LOGPROBS)

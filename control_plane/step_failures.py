@@ -58,7 +58,7 @@ class FailureIsolation:
             log.error("step failed (%s); failing request %s, the only suspect of %d", error, guilty.request_id,
                       len(reqs))
             self._forget(guilty)
-            self.engine._fail(guilty, error)
+            self.engine.outputs.fail(guilty, error)
             for req in reqs:
                 if req is not guilty:
                     self._requeue(req)

@@ -18,7 +18,7 @@ from ops import attention as attention_ops
 from ops import linear as linear_ops
 from ops import warmup
 from ops.cache_ops import copy_blocks
-from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, split_model_path
+from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
 from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -67,8 +67,8 @@ class ModelRunner:
             // config.tensor_parallel_size
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.dtype = getattr(torch, config.dtype)
-        block_bytes = kv_pool.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                              self.head_dim, self.dtype)
+        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                     config.dtype)
         self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
                                                     config.kv_cache_gib)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
@@ -118,18 +118,21 @@ class ModelRunner:
         for new in plan.new_seqs:
             self._add(new)
             scheduled.append((new.seq_id, new.num_new_tokens))
-        for seq_id, num_new, appended, tokens in plan.cont_seqs:
-            state = self.seqs.get(seq_id)
+        for cached in plan.cached_seqs:
+            state = self.seqs.get(cached.seq_id)
             if state is None:
-                raise PlanError(f"plan continues unknown sequence {seq_id}")
-            self._check_blocks(appended)
-            self._check_tokens(seq_id, tokens)
-            state.block_ids.extend(appended)
-            state.token_ids.extend(tokens)
-            scheduled.append((seq_id, num_new))
-        for seq_id, index, block in plan.remaps:
-            self._check_blocks([block])
-            self.seqs[seq_id].block_ids[index] = block
+                raise PlanError(f"plan continues unknown sequence {cached.seq_id}")
+            self._check_blocks(cached.new_block_ids)
+            self._check_tokens(cached.seq_id, cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)
+            for index, block in cached.remaps:
+                self._check_blocks([block])
+                if not 0 <= index < len(state.block_ids):
+                    raise PlanError(f"sequence {cached.seq_id}: remap of table entry {index} of "
+                                    f"{len(state.block_ids)}")
+                state.block_ids[index] = block
+            scheduled.append((cached.seq_id, cached.num_new_tokens))
         return scheduled
 
     def _check_tokens(self, seq_id: int, token_ids) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: cached sequences as CachedSequence, remaps inside them
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a plan of a whole new batch of long prompts fits easily
 
 HELLO, HANDSHAKE, STEP_PLAN, STEP_RESULT, PING, PONG, SHUTDOWN, ERROR = (
@@ -155,6 +155,15 @@ class SamplingSpec:
                    _int(beam_width))
 
 
+def _trim(fields: list, num_optional: int) -> list:
+    """Drops the trailing optional fields that are empty (each has a falsy default), so that an
+    optional field added at the end costs nothing on the wire while unused."""
+    while num_optional and not fields[-1]:
+        fields.pop()
+        num_optional -= 1
+    return fields
+
+
 @dataclass
 class NewSequence:
     """A sequence the data plane has not seen (or forgot): sent once, in full."""
@@ -178,34 +187,54 @@ class NewSequence:
 
 
 @dataclass
+class CachedSequence:
+    """A sequence the data plane knows (sent before as a NewSequence): only what changed. A decode
+    step of a sampled sequence is [seq_id, 1] on the wire: its one new token is the one the data
+    plane sampled for it last step and appended itself. New optional fields go at the end, with a
+    falsy default, and cost nothing while unused."""
+    seq_id: int
+    num_new_tokens: int                                        # tokens to compute this step
+    new_block_ids: list[int] = field(default_factory=list)     # appended to its block table
+    new_token_ids: list[int] = field(default_factory=list)     # appended to its tokens (a beam's
+                                                               # next token, chosen by the control plane)
+    remaps: list[tuple[int, int]] = field(default_factory=list)  # (table index, new block id): the
+                                                               # entry replaced by its copy-on-write copy
+
+    def to_wire(self) -> list:
+        return _trim([self.seq_id, self.num_new_tokens, self.new_block_ids, self.new_token_ids, self.remaps], 3)
+
+    @classmethod
+    def from_wire(cls, body: list) -> "CachedSequence":
+        b = _list(body)
+        if not 2 <= len(b) <= 5:
+            raise ProtocolError(f"a cached sequence has 2 to 5 fields, got {len(b)}")
+        seq_id, num_new, blocks, tokens, remaps = b + [[]] * (5 - len(b))
+        return cls(_int(seq_id), _int(num_new), _ints(blocks), _ints(tokens), _int_tuples(remaps, 2))
+
+
+@dataclass
 class StepPlan:
-    step_id: int
-    new_seqs: list[NewSequence] = field(default_factory=list)
-    # Sequences the data plane knows, as deltas: (seq_id, num_new_tokens, appended block ids,
-    # appended token ids). For a decode step the one new token is the last one the data plane
-    # sampled, and no token is sent; a beam's next token is chosen here and sent.
-    cont_seqs: list[tuple[int, int, list[int], list[int]]] = field(default_factory=list)
+    """One step, as the control plane decided it. The data plane applies, in this order: forget,
+    the new and cached sequences' table changes, swap-out, swap-in, copies; then one forward over
+    the scheduled tokens (new sequences first, then cached ones, in list order)."""
+    step_id: int                                                   # the result answers with it
+    new_seqs: list[NewSequence] = field(default_factory=list)      # scheduled, sent in full
+    cached_seqs: list[CachedSequence] = field(default_factory=list)  # scheduled, sent as deltas
     forget_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # (src device block, dst device block)
-    # Replacements of block-table entries after copy-on-write: (seq_id, logical index, new block id)
-    remaps: list[tuple[int, int, int]] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return [self.step_id, [s.to_wire() for s in self.new_seqs], self.cont_seqs, self.forget_seq_ids,
-                self.swap_out, self.swap_in, self.copies, self.remaps]
+        return [self.step_id, [s.to_wire() for s in self.new_seqs], [s.to_wire() for s in self.cached_seqs],
+                self.forget_seq_ids, self.swap_out, self.swap_in, self.copies]
 
     @classmethod
     def from_wire(cls, body: list) -> "StepPlan":
-        step_id, new, cont, forget, swap_out, swap_in, copies, remaps = _list(body, 8)
-        cont_seqs = []
-        for c in _list(cont):
-            seq_id, num_new, blocks, tokens = _list(c, 4)
-            cont_seqs.append((_int(seq_id), _int(num_new), _ints(blocks), _ints(tokens)))
-        return cls(_int(step_id), [NewSequence.from_wire(s) for s in _list(new)], cont_seqs, _ints(forget),
-                   _int_tuples(swap_out, 2), _int_tuples(swap_in, 2), _int_tuples(copies, 2),
-                   _int_tuples(remaps, 3))
+        step_id, new, cached, forget, swap_out, swap_in, copies = _list(body, 7)
+        return cls(_int(step_id), [NewSequence.from_wire(s) for s in _list(new)],
+                   [CachedSequence.from_wire(s) for s in _list(cached)], _ints(forget), _int_tuples(swap_out, 2),
+                   _int_tuples(swap_in, 2), _int_tuples(copies, 2))
 
 
 def draw_seed(seed: int | None, draw: int) -> int | None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from data_plane.worker import Worker
 from shared import protocol as P
-from tests.unit.test_worker import StubRunner
+from tests.helpers import StubRunner
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=8),
                     st.binary(max_size=8), st.sampled_from(sorted(P.KINDS)), st.just(P.PROTOCOL_VERSION))

@@ -10,7 +10,7 @@ from control_plane.dp_client import DataPlaneClient, DataPlaneDead, DataPlaneRef
 from data_plane.worker import Worker
 from shared import protocol as P
 from tests.servers import free_port
-from tests.unit.test_worker import StubRunner
+from tests.helpers import StubRunner
 
 
 @pytest.fixture

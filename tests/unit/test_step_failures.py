@@ -8,7 +8,7 @@ import pytest
 
 from control_plane.sampling_params import SamplingParams
 from shared.protocol import StepResult
-from tests.unit.test_engine_sharing import assert_pool_clean, make_engine, run_all
+from tests.helpers import assert_pool_clean, make_engine, run_all
 
 POISON = 7   # a request whose prompt starts with this token makes the steps it takes part in fail
 
@@ -24,7 +24,7 @@ class FaultyClient:
     async def step(self, plan, timeout):
         self.poisoned |= {s.seq_id for s in plan.new_seqs if s.token_ids[0] == POISON}
         result = await self.inner.step(plan, timeout)
-        for seq_id in {s.seq_id for s in plan.new_seqs} | {c[0] for c in plan.cont_seqs}:
+        for seq_id in {s.seq_id for s in plan.new_seqs} | {c.seq_id for c in plan.cached_seqs}:
             state = self.inner.runner.seqs.get(seq_id)
             if seq_id in self.poisoned and len(state.token_ids) - state.num_prompt_tokens > self.after:
                 self.failures += 1
