@@ -69,6 +69,14 @@ RUN useradd --create-home --uid 1000 pagedserve
 USER pagedserve
 WORKDIR /home/pagedserve
 
+# CPU_KERNELS=build compiles the C++ CPU kernels now, into the user's extension cache, instead of at
+# every new container's first start. They are tuned to the CPU of the machine that builds the image
+# (-march=native): use it only for an image that runs where it is built (as `compose up --build`
+# does). "runtime" (the default) leaves the build to the data plane's first start.
+ARG CPU_KERNELS=runtime
+RUN if [ "$CPU_KERNELS" = build ]; then python -m ops.cpu_kernels; \
+    elif [ "$CPU_KERNELS" != runtime ]; then echo "CPU_KERNELS must be build or runtime, not '$CPU_KERNELS'" >&2; exit 1; fi
+
 # 8000: control-plane REST and /metrics; 5555: data-plane ZeroMQ; 8001: data-plane /metrics
 EXPOSE 8000 5555 8001
 ENTRYPOINT ["pagedserve"]

@@ -98,6 +98,9 @@ fi
 log "wheelhouse (Python $host_py)"
 EXTRAS= deploy/stack/wheelhouse.sh "$PYTHON" deploy/wheelhouse 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 export PAGEDSERVE_WHEELHOUSE=deploy/wheelhouse
+# the image runs where it is built: its C++ CPU kernels are compiled once, in a cached layer, not
+# in every new data-plane container (minutes on a busy 2-core machine)
+export PAGEDSERVE_CPU_KERNELS=build
 
 # --- 5. the stack ----------------------------------------------------------------------------------------
 log "running the stack"
