@@ -10,6 +10,7 @@ the data plane falls back to the torch reference (ops/reference.py) and says so 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -19,7 +20,20 @@ log = logging.getLogger("pagedserve.ops")
 
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu")
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
-NAME = "pagedserve_cpu_kernels"
+
+
+def _build_name() -> str:
+    """The extension's name, unique to these sources and this checkout: torch keeps one build folder
+    and one module file per name, so two checkouts (or two versions of the kernels, whose functions
+    may differ in signature) sharing a name would rebuild over each other and load each other's."""
+    digest = hashlib.sha256(_FOLDER.encode())
+    for name in sorted(os.listdir(_FOLDER)):
+        with open(os.path.join(_FOLDER, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    return f"pagedserve_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+NAME = _build_name()
 # torch's builder serializes builds with a lock file; a process killed mid-build (SIGKILL, or
 # SIGTERM without a handler) leaves it behind and every later start would wait on it forever
 STALE_LOCK_SECONDS = 600
