@@ -51,9 +51,12 @@ class Support:
     logits_path: str   # "output embeddings" or "the model's own head"
 
 
-def architecture(config) -> str:
+def architecture(config, model=None) -> str:
+    """The class name checkpoints record (LlamaForCausalLM), else the model's own class name."""
     names = getattr(config, "architectures", None) or []
-    return names[0] if names else type(config).__name__.removesuffix("Config") or str(config.model_type)
+    if names:
+        return names[0]
+    return type(model).__name__ if model is not None else type(config).__name__.removesuffix("Config")
 
 
 def head_dim(config) -> int:
@@ -187,8 +190,10 @@ def check_model(model) -> Support:
     if cached is not None:
         return cached
     config = model.config
-    arch = architecture(config)
-    check_config(config)
+    arch = architecture(config, model)
+    reasons = config_reasons(config)
+    if reasons:
+        raise UnsupportedModel(arch, reasons)
     if config._attn_implementation != attention.ATTENTION_NAME:
         raise UnsupportedModel(arch, [f"it was loaded with attention {config._attn_implementation!r}, not "
                                       f"{attention.ATTENTION_NAME!r}"])
