@@ -42,7 +42,7 @@ class AttentionCall:
     scaling: float | None
     sliding_window: int | None
     softcap: float | None
-    other_kwargs: dict = field(default_factory=dict)   # every other keyword with a value set
+    other_kwargs: dict = field(default_factory=dict)   # every other keyword that is not None
 
 
 _current: StepContext | None = None
@@ -90,7 +90,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 def _record(module, query, key, value, scaling, sliding_window, softcap, kwargs):
-    other = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+    other = {k: v for k, v in kwargs.items() if v is not None}
     _recording.append(AttentionCall(getattr(module, "layer_idx", None), tuple(query.shape), tuple(key.shape),
                                     tuple(value.shape), scaling, sliding_window, softcap, other))
     batch, heads, tokens, _ = query.shape

@@ -30,7 +30,8 @@ log = logging.getLogger("pagedserve.data_plane")
 # layer kinds of config.layer_types that our ops compute
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # keywords transformers passes to attention functions that do not change what attention computes
-HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions", "is_causal"}
+# (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
+HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
 _CACHE_ATTR = "_pagedserve_support"
 
 
@@ -133,7 +134,10 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
             reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
                            f"declares {windows[c.layer_idx]}")
-        unknown = sorted(set(c.other_kwargs) - HARMLESS_KWARGS)
+        if c.other_kwargs.get("is_causal", True) is not True:
+            reasons.append("its attention is not causal (is_causal=False); pagedserve's is")
+        unknown = sorted(k for k, v in c.other_kwargs.items()
+                         if k not in HARMLESS_KWARGS and k != "is_causal" and v is not False)
         if unknown:
             reasons.append(f"its attention passes {unknown}, which pagedserve does not implement")
     return list(dict.fromkeys(reasons))   # one line per distinct reason, in order

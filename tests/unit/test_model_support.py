@@ -81,3 +81,15 @@ def test_the_data_plane_exits_non_zero_naming_the_architecture(tmp_path, capsys)
     assert code == 2
     err = capsys.readouterr().err
     assert "FalconForCausalLM is not supported by pagedserve" in err and "attention interface" in err
+
+
+@pytest.mark.parametrize("extra,reason", [({"is_causal": False}, "not causal"),
+                                          ({"s_aux": torch.zeros(4)}, "['s_aux']")])
+def test_attention_arguments_pagedserve_does_not_implement_are_refused(extra, reason, monkeypatch):
+    # a layer that hands the interface one more argument, as GPT-OSS does with its sinks (s_aux)
+    model = paged("Llama")
+    layer = model.model.layers[1].self_attn
+    original = layer.forward
+    monkeypatch.setattr(layer, "forward", lambda *a, **kw: original(*a, **{**kw, **extra}))
+    with pytest.raises(model_support.UnsupportedModel, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        model_support.check_model(model)
