@@ -10,7 +10,6 @@ the data plane falls back to the torch reference (ops/reference.py) and says so 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import sys
@@ -22,18 +21,19 @@ _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
 
 
-def _build_name() -> str:
-    """The extension's name, unique to these sources and this checkout: torch keeps one build folder
-    and one module file per name, so two checkouts (or two versions of the kernels, whose functions
-    may differ in signature) sharing a name would rebuild over each other and load each other's."""
-    digest = hashlib.sha256(_FOLDER.encode())
-    for name in sorted(os.listdir(_FOLDER)):
-        with open(os.path.join(_FOLDER, name), "rb") as f:
-            digest.update(name.encode() + f.read())
-    return f"pagedserve_cpu_kernels_{digest.hexdigest()[:12]}"
+def _sources_digest() -> str:
+    import hashlib
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES + [os.path.join(_FOLDER, "simd.h")]):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:10]
 
 
-NAME = _build_name()
+# The build cache is per user, not per checkout: a name that carries the sources' digest keeps two
+# versions of the kernels (two checkouts, or an upgrade beside a running server) from rebuilding over
+# each other, so a process never loads a module built from other sources than its own.
+NAME = f"pagedserve_cpu_kernels_{_sources_digest()}"
 # torch's builder serializes builds with a lock file; a process killed mid-build (SIGKILL, or
 # SIGTERM without a handler) leaves it behind and every later start would wait on it forever
 STALE_LOCK_SECONDS = 600
