@@ -48,14 +48,14 @@ def load_model(config: DataPlaneConfig, device: torch.device):
     and why pagedserve cannot serve it exactly; the config is checked before any weight is read."""
     from transformers import AutoConfig, AutoModelForCausalLM
     folder, gguf_file = split_model_path(config.model)
-    model_support.check_config(AutoConfig.from_pretrained(folder, gguf_file=gguf_file))
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    model_support.check_config(hf_config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=gguf_file, dtype=getattr(torch, config.dtype),
             attn_implementation=attention.register())
     except KeyError as exc:
-        refusal = model_support.load_refusal(model_support.architecture(AutoConfig.from_pretrained(
-            folder, gguf_file=gguf_file)), exc)
+        refusal = model_support.load_refusal(model_support.architecture(hf_config), exc)
         if refusal is None:
             raise
         raise refusal from None

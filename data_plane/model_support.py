@@ -16,6 +16,7 @@ The same probe picks how logits are computed from the sampled rows' hidden state
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -185,6 +186,18 @@ def _choose_logits(model, hidden: torch.Tensor, own: torch.Tensor):
     return None
 
 
+@contextlib.contextmanager
+def _paged_attention(model):
+    previous = model.config._attn_implementation
+    if previous != attention.ATTENTION_NAME:
+        model.set_attn_implementation(attention.register())
+    try:
+        yield
+    finally:
+        if previous != attention.ATTENTION_NAME:
+            model.set_attn_implementation(previous)
+
+
 @torch.inference_mode()
 def check_model(model) -> Support:
     """Refuses (UnsupportedModel) a model pagedserve cannot serve exactly; returns what serving needs.
@@ -198,17 +211,15 @@ def check_model(model) -> Support:
     reasons = config_reasons(config)
     if reasons:
         raise UnsupportedModel(arch, reasons)
-    if config._attn_implementation != attention.ATTENTION_NAME:
-        raise UnsupportedModel(arch, [f"it was loaded with attention {config._attn_implementation!r}, not "
-                                      f"{attention.ATTENTION_NAME!r}"])
     ids = _probe_ids(model)
-    # the base model as the runner calls it; then the whole model, as transformers' generate does
-    with attention.record_calls() as calls:
+    # probed on pagedserve's attention whatever the model was last set to (benchmarks switch it back
+    # and forth); the base model as the runner calls it, then the whole model as generate does
+    with _paged_attention(model), attention.record_calls() as calls:
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
     reasons = _call_reasons(config, calls)
     if reasons:
         raise UnsupportedModel(arch, reasons)
-    with attention.record_calls():   # attention returns zeros in both passes: their outputs compare
+    with _paged_attention(model), attention.record_calls():   # zeros from attention in both passes
         own = model(input_ids=ids, use_cache=False).logits[0]
     chosen = _choose_logits(model, hidden, own)
     if chosen is None:

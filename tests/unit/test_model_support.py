@@ -70,9 +70,13 @@ def test_final_logits_that_cannot_be_reproduced_are_refused(monkeypatch):
         model_support.check_model(paged("Gemma2 (caps, alternating window)"))
 
 
-def test_a_model_loaded_without_paged_attention_is_refused():
-    with pytest.raises(model_support.UnsupportedModel, match="'eager'"):
-        model_support.check_model(build(SUPPORTED["Llama"], "eager"))
+def test_the_probe_uses_paged_attention_and_gives_back_the_models_own():
+    # benchmarks hand the runner a model set to sdpa and switch it later: probed all the same
+    model = build(SUPPORTED["Gemma2 (caps, alternating window)"], "eager")
+    assert model_support.check_model(model).layer_windows == [12, None, 12, None]
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(model_support.UnsupportedModel, match="attention interface"):
+        model_support.check_model(build(REFUSED["GPTNeoForCausalLM"][0], "eager"))
 
 
 def test_the_data_plane_exits_non_zero_naming_the_architecture(tmp_path, capsys):
