@@ -9,12 +9,13 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control_plane import __version__
+from control_plane import __version__, chat
 from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
+from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
 from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -74,18 +75,8 @@ def _parse_prompts(engine: Engine, prompt) -> list[list[int]]:
 
 
 def _chat_prompt(engine: Engine, body: dict) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ValidationError("'messages' must be a non-empty list", "messages", "invalid_type")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise ValidationError("each message needs a 'role' (system, user or assistant) and a string "
-                                  "'content'", "messages", "invalid_type")
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    messages = chat.normalize_messages(body.get("messages"))
+    return chat.render(engine.tokenizer, messages, body.get("tools"), chat.template_options(body))
 
 
 def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
@@ -132,6 +123,7 @@ class Api:
         try:
             body = await _read_json(request)
             check_fields(body, chat)
+            body = drop_nulls(body)   # an optional field sent as null means the same as leaving it out
             _check_model(engine, body)
             prompts = [_chat_prompt(engine, body)] if chat else _parse_prompts(engine, body.get("prompt"))
             params = parse_sampling(body, default_max_tokens=engine.hs.max_model_len if chat else 16,
@@ -141,6 +133,7 @@ class Api:
                 params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
                 params.max_tokens = min(params.max_tokens, engine.pool_capacity_tokens - len(prompts[0]))
             stream = flag(body, "stream")
+            usage_mode = stream_usage(body) if stream else None
             if stream and (params.use_beam_search or params.best_of > params.n):
                 raise ValidationError("streaming is not available with beam search or best_of > n: the "
                                       "returned choices are known only at the end", "stream", "unsupported")
@@ -159,7 +152,7 @@ class Api:
                 "model": engine.config.model_name}
         try:
             if stream:
-                return await self._stream(request, requests, meta, chat, return_ids)
+                return await self._stream(request, requests, meta, chat, return_ids, usage_mode)
             return await self._collect(requests, meta, chat, return_ids)
         finally:
             for r in requests:
@@ -203,7 +196,8 @@ class Api:
         obj = "chat.completion" if chat else "text_completion"
         return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(requests, finals)})
 
-    async def _stream(self, request, requests: list[Request], meta, chat, return_ids) -> web.StreamResponse:
+    async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
+                      usage_mode: StreamUsage) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -219,7 +213,13 @@ class Api:
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
         finals: dict[int, RequestOutput] = {}
 
+        generated = [0]   # completion tokens streamed so far, for continuous usage stats
+
         async def send(payload):
+            if usage_mode.continuous and payload["choices"]:
+                prompt = sum(len(r.prompt_ids) for r in requests)
+                payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": generated[0],
+                                    "total_tokens": prompt + generated[0]}
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
         try:
@@ -236,6 +236,7 @@ class Api:
                     continue
                 if out.finished:
                     finals[index] = out
+                generated[0] += len(out.token_ids)
                 choice = {"index": index, "finish_reason": out.finish_reason,
                           "logprobs": _logprobs_json([out], self.engine.tokenizer, chat)}
                 if chat:
@@ -254,7 +255,8 @@ class Api:
                     await send({**meta, "object": obj, "choices": [
                         {"index": index, "finish_reason": req.end_reason, "logprobs": None,
                          **({"delta": {}} if chat else {"text": ""})}]})
-            await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
+            if usage_mode.final:
+                await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
             await resp.write(b"data: [DONE]\n\n")
         finally:
             for t in tasks:
