@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from control_plane import __version__, chat
 from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
+from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
@@ -104,6 +105,7 @@ class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name)
+        self._fingerprint = system_fingerprint(engine.config.model_name)
 
     def _start(self, prompts: list[list[int]], params: SamplingParams, timeout: float | None) -> list[Request]:
         request_id = uuid.uuid4().hex
@@ -149,7 +151,7 @@ class Api:
         except ValidationError as exc:
             return _validation_response(exc)
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": engine.config.model_name}
+                "model": engine.config.model_name, "system_fingerprint": self._fingerprint}
         try:
             if stream:
                 return await self._stream(request, requests, meta, chat, return_ids, usage_mode)
@@ -198,7 +200,8 @@ class Api:
 
     async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
                       usage_mode: StreamUsage) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           REQUEST_ID_HEADER: request[REQUEST_ID_KEY]})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = requests[0].params.n
@@ -263,12 +266,6 @@ class Api:
                 t.cancel()
         return resp
 
-    async def models(self, request: web.Request) -> web.Response:
-        e = self.engine
-        return web.json_response({"object": "list", "data": [{
-            "id": e.config.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-            "max_model_len": e.hs.max_model_len}]})
-
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.draining:
             return web.json_response({"status": "shutting down"}, status=503)
@@ -316,6 +313,8 @@ async def json_errors(request: web.Request, handler):
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, f"the body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+    except web.HTTPNotFound:
+        return not_found(request)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error_response(exc.status, exc.reason, code=str(exc.status))
@@ -324,14 +323,14 @@ async def json_errors(request: web.Request, handler):
 
 def make_app(engine: Engine) -> web.Application:
     api = Api(engine)
-    middlewares = [json_errors]
+    middlewares = [request_ids, json_errors]
     if engine.config.api_key:
         middlewares.append(require_api_key(engine.config.api_key))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
-    app.router.add_get("/v1/models", api.models)
+    ModelEndpoints(engine, _read_json).add_routes(app)
     app.router.add_get("/health", api.health)
     app.router.add_get("/version", api.version)
     app.router.add_get("/metrics", api.metrics)

@@ -59,9 +59,11 @@ class Engine:
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         limit = self.hs.max_model_len
         if num_prompt_tokens + max_tokens > limit:
+            # OpenAI's wording: clients (litellm, LangChain) recognise the context error by it
             raise ValidationError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
-                f"context of {limit} tokens; shorten the prompt or lower max_tokens", "max_tokens",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.", "messages",
                 "context_length_exceeded")
         if num_prompt_tokens + max_tokens > self.pool_capacity_tokens:
             raise ValidationError(

@@ -63,6 +63,8 @@ CHAT_EXTENSIONS = {
     "tools": _t(["array", "null"], "functions the model may call; given to the chat template", items=TOOL),
     "tool_choice": {"description": "'auto', 'none', 'required', or {type: function, function: {name}}",
                     "anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}, {"type": "null"}]},
+    "response_format": {"description": "{type: text}, {type: json_object}, or {type: json_schema, json_schema: "
+                                       "{name, schema, strict}}", "anyOf": [{"type": "object"}, {"type": "null"}]},
     "chat_template_kwargs": _t(["object", "null"], "extra variables for the chat template"),
     "add_generation_prompt": _t(["boolean", "null"], "end the prompt with the assistant's header (default true)"),
     "continue_final_message": _t(["boolean", "null"], "continue the last (assistant) message instead of "

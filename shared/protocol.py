@@ -76,11 +76,21 @@ class SamplingSpec:
     logprobs: int = 0                 # how many top log-probabilities to return per token (0: none)
     n: int = 1                        # draws for the first output token (parallel sampling forks after it)
     beam_width: int = 0               # > 0: a beam; the control plane picks and sends each next token
+    # per-sequence logits adjustments (OpenAI's logit_bias, vLLM's allowed_token_ids and bad_words)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)   # (token id, added to its logit)
+    allowed_token_ids: list[int] = field(default_factory=list)          # non-empty: only these
+    bad_words_ids: list[list[int]] = field(default_factory=list)        # last token banned after the rest
 
     def to_wire(self) -> list:
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.presence_penalty,
                 self.frequency_penalty, self.repetition_penalty, self.min_tokens,
-                list(self.stop_token_ids), self.logprobs, self.n, self.beam_width]
+                list(self.stop_token_ids), self.logprobs, self.n, self.beam_width,
+                [list(b) for b in self.logit_bias], list(self.allowed_token_ids),
+                [list(w) for w in self.bad_words_ids]]
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_ids)
 
     @classmethod
     def from_wire(cls, body: list) -> "SamplingSpec":
@@ -122,18 +132,22 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)    # (src device block, dst device block)
     # Replacements of block-table entries after copy-on-write: (seq_id, logical index, new block id)
     remaps: list[tuple[int, int, int]] = field(default_factory=list)
+    # Structured output: (seq_id, packed bitmask of the tokens it may sample this step), only for
+    # constrained sequences that sample this step; little-endian bits, ceil(vocab / 32) * 4 bytes
+    token_masks: list[tuple[int, bytes]] = field(default_factory=list)
 
     def to_wire(self) -> list:
         return [self.step_id, [s.to_wire() for s in self.new_seqs], self.cont_seqs, self.forget_seq_ids,
-                self.swap_out, self.swap_in, self.copies, self.remaps]
+                self.swap_out, self.swap_in, self.copies, self.remaps, self.token_masks]
 
     @classmethod
     def from_wire(cls, body: list) -> "StepPlan":
-        step_id, new, cont, forget, swap_out, swap_in, copies, remaps = body
+        step_id, new, cont, forget, swap_out, swap_in, copies, remaps, masks = body
         return cls(step_id, [NewSequence.from_wire(s) for s in new],
                    [(int(a), int(b), list(c), list(d)) for a, b, c, d in cont], list(forget),
                    [tuple(p) for p in swap_out], [tuple(p) for p in swap_in],
-                   [tuple(p) for p in copies], [tuple(r) for r in remaps])
+                   [tuple(p) for p in copies], [tuple(r) for r in remaps],
+                   [(int(i), bytes(m)) for i, m in masks])
 
 
 def draw_seed(seed: int | None, draw: int) -> int | None:
