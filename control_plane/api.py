@@ -16,6 +16,9 @@ from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndp
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
+from control_plane.token_bytes import token_bytes
+from control_plane.echo import echo_only, prompt_text
+from control_plane.extension_params import apply_extensions, truncate_prompt_tokens
 from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
 from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
@@ -94,8 +97,11 @@ def _logprobs_json(outputs: list[RequestOutput], tokenizer, chat: bool) -> dict 
     def text(tid):
         return tokenizer.decode([tid])
     if chat:
-        return {"content": [{"token": text(t.token_id), "logprob": t.logprob,
-                             "top_logprobs": [{"token": text(i), "logprob": lp} for i, lp in t.top_logprobs]}
+        def entry(tid, lp):
+            token = text(tid)
+            return {"token": token, "logprob": lp, "bytes": token_bytes(tokenizer, tid)}
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
                             for t in tokens]}
     return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [{text(i): lp for i, lp in t.top_logprobs} for t in tokens]}
@@ -128,8 +134,21 @@ class Api:
             body = drop_nulls(body)   # an optional field sent as null means the same as leaving it out
             _check_model(engine, body)
             prompts = [_chat_prompt(engine, body)] if chat else _parse_prompts(engine, body.get("prompt"))
-            params = parse_sampling(body, default_max_tokens=engine.hs.max_model_len if chat else 16,
+            score_only = not chat and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
+            params = parse_sampling({**body, "max_tokens": 1} if score_only else body,
+                                    default_max_tokens=engine.hs.max_model_len if chat else 16,
                                     max_n=engine.config.max_n, chat=chat)
+            apply_extensions(body, params, engine.tokenizer, engine.hs.vocab_size)
+            keep = truncate_prompt_tokens(body)
+            if keep is not None:
+                prompts = [ids[-keep:] for ids in prompts]
+            echo = not chat and flag(body, "echo")
+            if echo and params.logprobs is not None:
+                raise ValidationError("'echo' with 'logprobs' needs the prompt's log-probs, which this server does "
+                                      "not compute yet; send echo without logprobs", "echo", "unsupported_parameter")
+            if score_only and not echo:
+                raise ValidationError("'max_tokens' 0 generates nothing: it is for scoring a prompt with echo",
+                                      "max_tokens")
             timeout = parse_timeout(body, engine.config.request_timeout)
             if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
                 params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
@@ -147,20 +166,26 @@ class Api:
             if len(engine.scheduler.waiting) + len(prompts) > engine.config.max_waiting:
                 return unavailable(f"the server is overloaded: {len(engine.scheduler.waiting)} requests are "
                                    "waiting already", code="overloaded")
-            requests = self._start(prompts, params, timeout)
+            if score_only:
+                for ids in prompts:
+                    engine.validate_request(ids, params)
+            else:
+                requests = self._start(prompts, params, timeout)
         except ValidationError as exc:
             return _validation_response(exc)
+        if score_only:
+            return web.json_response(echo_only(prompts, engine.tokenizer, engine.config.model_name, return_ids))
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": engine.config.model_name, "system_fingerprint": self._fingerprint}
         try:
             if stream:
-                return await self._stream(request, requests, meta, chat, return_ids, usage_mode)
-            return await self._collect(requests, meta, chat, return_ids)
+                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, echo)
+            return await self._collect(requests, meta, chat, return_ids, echo)
         finally:
             for r in requests:
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
-    async def _collect(self, requests: list[Request], meta, chat, return_ids) -> web.Response:
+    async def _collect(self, requests: list[Request], meta, chat, return_ids, echo=False) -> web.Response:
         async def drain(req: Request) -> dict[int, list[RequestOutput]]:
             by_index: dict[int, list[RequestOutput]] = {}
             async for out in req:
@@ -191,7 +216,7 @@ class Api:
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
                 else:
-                    choice["text"] = text
+                    choice["text"] = (prompt_text(requests[prompt_index], self.engine.tokenizer) if echo else "") + text
                 if return_ids:
                     choice["token_ids"] = [t for o in outputs for t in o.token_ids]
                 choices.append(choice)
@@ -199,7 +224,7 @@ class Api:
         return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(requests, finals)})
 
     async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
-                      usage_mode: StreamUsage) -> web.StreamResponse:
+                      usage_mode: StreamUsage, echo: bool = False) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: request[REQUEST_ID_KEY]})
         await resp.prepare(request)
@@ -231,6 +256,11 @@ class Api:
                 for i in range(num_choices):
                     await send({**meta, "object": obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            elif echo:   # the prompt comes first, once per choice
+                for i in range(num_choices):
+                    await send({**meta, "object": obj, "choices": [
+                        {"index": i, "text": prompt_text(requests[i // n], self.engine.tokenizer),
+                         "finish_reason": None, "logprobs": None}]})
             num_ended = 0
             while len(finals) < num_choices and num_ended < len(requests):
                 index, out = await merged.get()
