@@ -9,7 +9,7 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control_plane import __version__, chat
+from control_plane import __version__, chat, tools
 from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
 from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
@@ -19,6 +19,7 @@ from control_plane.request import Request, RequestOutput
 from control_plane.token_bytes import token_bytes
 from control_plane.echo import echo_only, prompt_text
 from control_plane.extension_params import apply_extensions, truncate_prompt_tokens
+from control_plane.structured import parse_constraint
 from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
 from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
@@ -139,6 +140,11 @@ class Api:
                                     default_max_tokens=engine.hs.max_model_len if chat else 16,
                                     max_n=engine.config.max_n, chat=chat)
             apply_extensions(body, params, engine.tokenizer, engine.hs.vocab_size)
+            tool_mode = tools.parse_tool_choice(body) if chat else None
+            params.constraint = tools.forced_constraint(tool_mode) or parse_constraint(body)
+            if params.constraint is not None and params.use_beam_search:
+                raise ValidationError("structured output is not available with beam search", "use_beam_search",
+                                      "unsupported")
             keep = truncate_prompt_tokens(body)
             if keep is not None:
                 prompts = [ids[-keep:] for ids in prompts]
@@ -179,13 +185,14 @@ class Api:
                 "model": engine.config.model_name, "system_fingerprint": self._fingerprint}
         try:
             if stream:
-                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, echo)
-            return await self._collect(requests, meta, chat, return_ids, echo)
+                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, echo, tool_mode)
+            return await self._collect(requests, meta, chat, return_ids, echo, tool_mode)
         finally:
             for r in requests:
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
-    async def _collect(self, requests: list[Request], meta, chat, return_ids, echo=False) -> web.Response:
+    async def _collect(self, requests: list[Request], meta, chat, return_ids, echo=False,
+                       tool_mode=None) -> web.Response:
         async def drain(req: Request) -> dict[int, list[RequestOutput]]:
             by_index: dict[int, list[RequestOutput]] = {}
             async for out in req:
@@ -215,6 +222,12 @@ class Api:
                           "logprobs": _logprobs_json(outputs, self.engine.tokenizer, chat)}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
+                    if tool_mode is not None:
+                        content, calls = tools.parse_output(tool_mode, text)
+                        choice["message"]["content"] = content
+                        if calls:
+                            choice["message"]["tool_calls"] = calls
+                            choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = (prompt_text(requests[prompt_index], self.engine.tokenizer) if echo else "") + text
                 if return_ids:
@@ -224,7 +237,7 @@ class Api:
         return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(requests, finals)})
 
     async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
-                      usage_mode: StreamUsage, echo: bool = False) -> web.StreamResponse:
+                      usage_mode: StreamUsage, echo: bool = False, tool_mode=None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: request[REQUEST_ID_KEY]})
         await resp.prepare(request)
@@ -242,6 +255,7 @@ class Api:
         finals: dict[int, RequestOutput] = {}
 
         generated = [0]   # completion tokens streamed so far, for continuous usage stats
+        held: dict[int, str] = {}   # with tools: each choice's text until it finishes
 
         async def send(payload):
             if usage_mode.continuous and payload["choices"]:
@@ -274,6 +288,16 @@ class Api:
                           "logprobs": _logprobs_json([out], self.engine.tokenizer, chat)}
                 if chat:
                     choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
+                    if tool_mode is not None:
+                        # tool calls are known only when the text is whole: held back, then sent as one delta
+                        held[index] = held.get(index, "") + out.text
+                        if not out.finished:
+                            continue
+                        content, calls = tools.parse_output(tool_mode, held[index])
+                        choice["delta"] = {"content": content} if content else {}
+                        if calls:
+                            choice["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                            choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = out.text
                 if return_ids:

@@ -16,6 +16,7 @@ from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError
 from control_plane.scheduler import Scheduler
+from control_plane.structured import GrammarBackend, Matchers
 from control_plane.sequence import Sequence, SeqStatus
 from shared.config import ControlPlaneConfig
 from shared.protocol import Handshake, SampledToken
@@ -50,6 +51,7 @@ class Engine:
         self.data_plane_alive = True
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
+        self.matchers: Matchers | None = None   # structured output, made on the first constrained request
 
     # --- requests ---------------------------------------------------------------------
     @property
@@ -78,6 +80,13 @@ class Engine:
             raise ValidationError(f"token ids out of the vocabulary [0, {self.hs.vocab_size}): {bad[:5]}",
                                   "prompt", "invalid_token_id")
         self.check_length(len(prompt_ids), params.max_tokens)
+        if params.constraint is not None:
+            self._grammar_matchers().backend.compile(params.constraint)   # a bad grammar is a 400 here
+
+    def _grammar_matchers(self) -> Matchers:
+        if self.matchers is None:
+            self.matchers = Matchers(GrammarBackend(self.tokenizer, self.hs.vocab_size, self.eos_token_ids))
+        return self.matchers
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
@@ -93,6 +102,9 @@ class Engine:
                                   frozenset(params.stop_ids(self.eos_token_ids)))
             req.beam.start(seq.seq_id)
         self._register(req, seq)
+        if params.constraint is not None:
+            m = self._grammar_matchers()
+            m.add(seq.seq_id, m.backend.compile(params.constraint))
         self.scheduler.add(seq)
         self.stats.on_arrival(len(prompt_ids))
         self._wakeup.set()
@@ -186,6 +198,8 @@ class Engine:
             return
         self._step_id += 1
         plan = build_plan(self._step_id, out, self.scheduler.bm)
+        if self.matchers is not None and self.matchers.by_seq:
+            plan.token_masks = self.matchers.step_masks(out.scheduled)
         started = time.monotonic()
         result = await self.client.step(plan, self.config.step_timeout)
         self.stats.on_step(out, result, time.monotonic() - started, self.scheduler)
@@ -227,6 +241,8 @@ class Engine:
                                  req.params.spec(self.eos_token_ids, draw=j), sample_index=j,
                                  arrival_time=seq.arrival_time)
                 self._register(req, child)
+                if self.matchers is not None:
+                    self.matchers.fork(seq.seq_id, child.seq_id, child.output_token_ids)
                 self.scheduler.fork(seq, child)
                 self._on_token(req, child, draw)
             self._on_token(req, seq, seq_draws[0])
@@ -236,6 +252,8 @@ class Engine:
     def _on_token(self, req: Request, seq: Sequence, sampled: SampledToken) -> None:
         params = req.params
         first = seq.num_output_tokens == 0
+        if self.matchers is not None and not self.matchers.accept(seq.seq_id, sampled.token_id):
+            log.error("sequence %d sampled token %d outside its grammar", seq.seq_id, sampled.token_id)
         seq.token_ids.append(sampled.token_id)
         seq.cumulative_logprob += sampled.logprob
         self.stats.on_token(seq, first and seq.sample_index == 0)   # one first token per request
@@ -310,6 +328,8 @@ class Engine:
     def _end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
         self.owners.pop(seq.seq_id, None)
+        if self.matchers is not None:
+            self.matchers.drop(seq.seq_id)
         self.stats.on_seq_end(seq)
         if error is not None or (reason in ("abort", "timeout") and not req.buffered):
             detok = req.detoks.get(seq.sample_index)

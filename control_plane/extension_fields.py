@@ -65,8 +65,18 @@ CHAT_EXTENSIONS = {
                     "anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}, {"type": "null"}]},
     "response_format": {"description": "{type: text}, {type: json_object}, or {type: json_schema, json_schema: "
                                        "{name, schema, strict}}", "anyOf": [{"type": "object"}, {"type": "null"}]},
+    "structured_outputs": _t(["object", "null"], "vLLM: one of {json, regex, choice, grammar}"),
+    "guided_json": {"description": "vLLM (older): a JSON schema the output follows"},
+    "guided_regex": _t(["string", "null"], "vLLM (older): a regex the output matches"),
+    "guided_choice": _t(["array", "null"], "vLLM (older): the output is one of these strings",
+                        items={"type": "string"}),
+    "guided_grammar": _t(["string", "null"], "vLLM (older): an EBNF grammar (xgrammar's dialect)"),
     "chat_template_kwargs": _t(["object", "null"], "extra variables for the chat template"),
     "add_generation_prompt": _t(["boolean", "null"], "end the prompt with the assistant's header (default true)"),
     "continue_final_message": _t(["boolean", "null"], "continue the last (assistant) message instead of "
                                                       "starting a new one"),
 }
+
+# the vLLM constraint fields are on the completions endpoint too
+COMPLETION_EXTENSIONS.update({k: CHAT_EXTENSIONS[k] for k in ("structured_outputs", "guided_json", "guided_regex",
+                                                              "guided_choice", "guided_grammar")})

@@ -42,6 +42,7 @@ class SamplingParams:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    constraint: object = None    # structured output: a control_plane.structured.Constraint, or None
 
     def __post_init__(self):
         self.best_of = max(self.best_of, self.n)
