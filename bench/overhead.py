@@ -65,6 +65,11 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(C.FIRST_ORDINARY_TOKEN, VOCAB_SIZE) for _ in range(n)]
 
 
+def num_batched_tokens(out) -> int:
+    """Tokens a SchedulerOutput scheduled."""
+    return sum(s.num_new_tokens for s in out.scheduled)
+
+
 def ms(seconds_list) -> float:
     return 1000 * C.mean(list(seconds_list))
 
@@ -128,7 +133,7 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
             t = time.perf_counter()
             await engine.step()
             times.append(time.perf_counter() - t)
-            got = probe.last_out.num_batched_tokens
+            got = num_batched_tokens(probe.last_out)
             assert got == expect_tokens, f"a measured step computed {got} tokens, expected {expect_tokens}"
         return times, probe.take()
 
@@ -141,7 +146,7 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
             for _ in range(10_000):   # prefill (in chunks, mixed with early decodes) until all sequences decode
                 await engine.step()
                 out = probe.last_out
-                if len(out.scheduled) == num_seqs and out.num_batched_tokens == num_seqs:
+                if len(out.scheduled) == num_seqs and num_batched_tokens(out) == num_seqs:
                     break
             else:
                 raise RuntimeError(f"{label}: the engine never scheduled all {num_seqs} sequences in one step")
@@ -232,7 +237,7 @@ class RunnerSteps:
 
     def steps(self, rng, label: str, num_seqs: int):
         """A function that runs one step of this kind and returns its parts in seconds."""
-        from shared.protocol import NewSequence, SamplingSpec, StepPlan
+        from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan
         args, bs, per, runner = self.args, self.bs, self.per, self.runner
         decode = label.startswith("decode")
         # decode: each sequence arrives with context + 1 tokens, context of them already computed (their KV
@@ -254,8 +259,8 @@ class RunnerSteps:
                 for i, s in enumerate(new):
                     table = runner.seqs[s.seq_id].block_ids
                     grow = runner.seqs[s.seq_id].num_computed_tokens + 1 > len(table) * bs
-                    cont.append((s.seq_id, 1, [i * per + len(table)] if grow else [], []))
-                plan = StepPlan(self.step_id, cont_seqs=cont)
+                    cont.append(CachedSequence(s.seq_id, 1, [i * per + len(table)] if grow else []))
+                plan = StepPlan(self.step_id, cached_seqs=cont)
             self.parts.clear()
             result = runner.execute(plan)
             return {"execute": result.forward_seconds + result.swap_seconds, "prepare": self.parts["prepare"],
@@ -267,7 +272,6 @@ class RunnerSteps:
 def measure_bare_and_runner(model, args, rng) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Bare and runner steps of each kind alternate, so that a change in machine load hits both alike."""
     from data_plane import attention
-    from ops.linear import plain_linears
     runner = RunnerSteps(model, args)
     bare, parts = {}, {}
     for label, num_seqs, _ in step_names(args):
@@ -279,7 +283,7 @@ def measure_bare_and_runner(model, args, rng) -> tuple[dict[str, list[float]], d
         times, totals = [], defaultdict(float)
         for k in range(args.warmup + args.steps):
             model.set_attn_implementation("sdpa")
-            with plain_linears(model):    # torch's own linear layers, not the runner's few-row kernel
+            with C.plain_linears(model):    # torch's own linear layers, not the runner's few-row kernel
                 t = bare_step()
             model.set_attn_implementation(attention.ATTENTION_NAME)
             p = runner_step()
@@ -308,7 +312,7 @@ def main(argv=None) -> int:
                           cwd=C.ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         model = C.load_hf_model(args.num_threads, device="cpu")   # its runner below is on CPU too
-        from control_plane.cli import load_tokenizer
+        from control_plane.launch import load_tokenizer
         tokenizer = load_tokenizer(default_model_path())
         C.Timer.note("waiting for the data plane; then engine steps")
         engine = asyncio.run(measure_engine(args, address, tokenizer, rng))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -14,6 +15,7 @@ from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
 from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
+from control_plane.http_guard import BodyTimeout, read_body
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
 from control_plane.token_bytes import token_bytes
@@ -23,6 +25,7 @@ from control_plane.structured import parse_constraint
 from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
 from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
+log = logging.getLogger("pagedserve.control_plane")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", Engine)
 
@@ -40,13 +43,33 @@ def _strict_loads(text: str):
     return json.loads(text, parse_constant=_refuse_constant)
 
 
+def _check_text(value, where: str = "the body") -> None:
+    """JSON's \\ud800 escapes give strings that are not Unicode text (lone surrogates): no tokenizer
+    can take them, so they are refused here, wherever they are in the body."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError(f"{where} holds a lone surrogate (\\ud800-\\udfff), which is not text",
+                                  where if where != "the body" else None, "invalid_value") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, key if where == "the body" and isinstance(key, str) else where)
+
+
 async def _read_json(request: web.Request) -> dict:
+    raw = await read_body(request)   # within the body read timeout
     try:
-        body = await request.json(loads=_strict_loads)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:   # JSONDecodeError is a ValueError
+        body = _strict_loads(raw.decode(request.charset or "utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError, LookupError) as exc:   # JSONDecodeError is a ValueError
         raise ValidationError(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ValidationError("the body must be a JSON object", None, "invalid_type")
+    _check_text(body)
     return body
 
 
@@ -169,8 +192,12 @@ class Api:
                 return unavailable("the server is shutting down", code="shutting_down")
             if not engine.data_plane_alive:
                 return unavailable("the data plane is not available")
-            if len(engine.scheduler.waiting) + len(prompts) > engine.config.max_waiting:
-                return unavailable(f"the server is overloaded: {len(engine.scheduler.waiting)} requests are "
+            if len(prompts) > engine.config.max_waiting:   # never accepted, however long it waits: not a 503
+                raise ValidationError(f"'prompt' holds {len(prompts)} prompts; this server queues at most "
+                                      f"{engine.config.max_waiting} requests (its --max-waiting): send at most "
+                                      f"{engine.config.max_waiting} per request", "prompt", "too_many_prompts")
+            if engine.num_waiting() + len(prompts) > engine.config.max_waiting:
+                return unavailable(f"the server is overloaded: {engine.num_waiting()} requests are "
                                    "waiting already", code="overloaded")
             if score_only:
                 for ids in prompts:
@@ -189,6 +216,8 @@ class Api:
             return await self._collect(requests, meta, chat, return_ids, echo, tool_mode)
         finally:
             for r in requests:
+                if not r.finished:
+                    log.debug("request %s ended before it finished (the client went away); aborted", r.request_id)
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
     async def _collect(self, requests: list[Request], meta, chat, return_ids, echo=False,
@@ -332,37 +361,25 @@ class Api:
         return web.json_response({"version": __version__, "model": self.engine.config.model_name,
                                   "device": hs.device, "dtype": hs.dtype, "block_size": hs.block_size,
                                   "num_device_blocks": hs.num_device_blocks, "num_cpu_blocks": hs.num_cpu_blocks,
-                                  "kv_block_bytes": self.engine.policy.block_bytes,
+                                  "kv_block_bytes": self.engine.kv_block_bytes,
                                   "preemption_mode": self.engine.config.preemption_mode})
 
     async def debug_kv(self, request: web.Request) -> web.Response:
         """Block accounting for operators and stress tests: blocks in use and the integrity check."""
-        sched = self.engine.scheduler
-        try:
-            sched.check_integrity()
-            integrity = "ok"
-        except AssertionError as exc:
-            integrity = f"violated: {exc}"
-        bm = sched.bm
-        cpu_total = bm.cpu_pool.num_blocks if bm.cpu_pool else 0
-        return web.json_response({
-            "device_blocks": bm.pool.num_blocks, "device_blocks_used": bm.pool.num_blocks - bm.num_free_blocks(),
-            "cpu_blocks": cpu_total, "cpu_blocks_used": cpu_total - (bm.cpu_pool.num_free if bm.cpu_pool else 0),
-            "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
-            "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
-            "integrity": integrity})
+        return web.json_response(self.engine.kv_report())
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(self._openapi)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.engine.stats.refresh_gauges(self.engine.scheduler)
+        self.engine.refresh_gauges()
         data = generate_latest(self.engine.stats.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 @web.middleware
 async def json_errors(request: web.Request, handler):
+    """Every error leaves as an OpenAI-style JSON body, never aiohttp's text/plain 500."""
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
@@ -373,6 +390,18 @@ async def json_errors(request: web.Request, handler):
         if exc.status >= 400:
             return error_response(exc.status, exc.reason, code=str(exc.status))
         raise
+    except BodyTimeout as exc:
+        return error_response(408, str(exc), code="body_timeout")
+    except ConnectionError as exc:
+        if request.transport is None or request.transport.is_closing():
+            # the client went away (before or while we answered): its request was aborted, nothing to report
+            log.debug("client %s went away during %s %s: %s", request.remote, request.method, request.path, exc)
+            return web.Response(status=499)
+        log.exception("connection error while serving %s %s", request.method, request.path)
+        return error_response(500, "internal error; see the server log", "server_error", code="internal_error")
+    except Exception:
+        log.exception("error while serving %s %s", request.method, request.path)
+        return error_response(500, "internal error; see the server log", "server_error", code="internal_error")
 
 
 def make_app(engine: Engine) -> web.Application:

@@ -5,18 +5,10 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-import uuid
 
+from control_plane import launch, server
 from shared import config as C
-
-log = logging.getLogger("pagedserve.control_plane")
-HANDSHAKE_TIMEOUT = 600.0  # the data plane loads the model before it answers
-SHUTDOWN_WRITE_SECONDS = 5.0  # after aborting, what handlers get to write their last answer
 
 
 def _control_plane_args(parser: argparse.ArgumentParser) -> None:
@@ -48,129 +40,6 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
                              "are aborted (a second signal aborts them at once)")
 
 
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-    folder, gguf_file = C.split_model_path(model)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-
-
-class SpawnedDataPlane:
-    """The data-plane process `pagedserve serve` owns: started, watched, restarted, stopped."""
-
-    def __init__(self, config: C.DataPlaneConfig):
-        self.cmd = [sys.executable, "-m", "data_plane", *C.data_plane_argv(config)]
-        self.proc = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        log.info("starting the data plane: %s", " ".join(self.cmd))
-        # its own session: a Ctrl-C in the terminal reaches only us, and we stop it in order
-        return subprocess.Popen(self.cmd, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    async def restart(self) -> None:
-        """Kills it if it still runs (hung, or stopped: SIGKILL ends both) and starts a new one."""
-        if self.alive():
-            self.proc.kill()
-        await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
-        log.warning("the data plane exited with code %s; restarting it", self.proc.returncode)
-        self.proc = self._start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Waits for it to exit (after SHUTDOWN), then asks with SIGTERM, then kills it."""
-        for ask in (None, self.proc.terminate, self.proc.kill):
-            if ask is not None:
-                log.warning("the data plane did not exit; sending %s", ask.__name__)
-                ask()
-            try:
-                self.proc.wait(timeout=timeout)
-                return
-            except subprocess.TimeoutExpired:
-                pass
-
-
-async def run_server(cp: C.ControlPlaneConfig, child: SpawnedDataPlane | None) -> None:
-    from control_plane.dp_client import DataPlaneClient
-    from control_plane.engine import Engine
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()     # set by the first SIGTERM/SIGINT: drain; `hurry` by a second: abort now
-    hurry = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: (hurry if stop.is_set() else stop).set())
-    tokenizer_task = loop.run_in_executor(None, load_tokenizer, cp.model)
-    client = DataPlaneClient(cp.data_plane, cp.curve_keys)
-    log.info("waiting for the data plane at %s%s", cp.data_plane, " (CURVE)" if cp.curve_keys else "")
-    handshake_task = asyncio.ensure_future(client.handshake(HANDSHAKE_TIMEOUT))
-    while not handshake_task.done():
-        await asyncio.wait([handshake_task], timeout=1.0)
-        if child is not None and not child.alive():
-            handshake_task.cancel()
-            raise SystemExit(f"the data plane exited with code {child.proc.returncode} before the handshake")
-        if stop.is_set():
-            handshake_task.cancel()
-            log.info("stopped before the data plane answered")
-            await client.shutdown()
-            client.close()
-            return
-    hs = handshake_task.result()
-    log.info("data plane ready: %s on %s, %s, %d blocks of %d tokens, max length %d", hs.model_id, hs.device,
-             hs.dtype, hs.num_device_blocks, hs.block_size, hs.max_model_len)
-    engine = Engine(cp, client, hs, await tokenizer_task)
-    if child is not None:
-        client.alive_check = child.alive
-        engine.on_dead = child.restart
-    await serve_until_stopped(engine, cp, stop, hurry)
-    await client.shutdown()
-    client.close()
-
-
-async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Event, hurry: asyncio.Event,
-                              what: str = "") -> None:
-    """Serves the REST API over `engine` (an Engine, or a Router of several) until `stop` is set or
-    the engine fails; then drains, stops the engine and closes the HTTP server."""
-    from aiohttp import web
-
-    from control_plane.api import make_app
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
-    await runner.setup()
-    await web.TCPSite(runner, cp.host, cp.port).start()
-    log.info("serving %s on http://%s:%d%s", cp.model_name, cp.host, cp.port, what)
-
-    engine_task = asyncio.create_task(engine.run())
-    stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([engine_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
-    if engine_task in done and engine_task.exception():
-        log.error("engine stopped: %s", engine_task.exception())
-    else:
-        await drain(engine, cp.shutdown_grace, hurry)
-    log.info("shutting down")
-    await engine.stop()
-    engine_task.cancel()
-    await runner.cleanup()
-
-
-async def drain(engine, grace: float, hurry: asyncio.Event) -> None:
-    """Graceful shutdown: new requests get 503 while the ones in flight get `grace` seconds to end."""
-    engine.draining = True
-    num = engine.num_unfinished()
-    log.info("shutdown requested: %d requests in flight get up to %.0fs to finish (signal again to abort them)",
-             num, grace)
-    deadline = time.monotonic() + grace
-    while engine.num_unfinished() and time.monotonic() < deadline and not hurry.is_set():
-        try:
-            await asyncio.wait_for(hurry.wait(), 0.1)
-        except asyncio.TimeoutError:
-            pass
-    left = engine.num_unfinished()
-    if left:
-        log.warning("aborting %d requests that did not finish in time", left)
-    else:
-        log.info("every request in flight finished")
-
-
 def _serve(args: argparse.Namespace, spawn: bool) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s control-plane: %(message)s")
     try:
@@ -190,36 +59,17 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   preemption_mode=args.preemption_mode, max_waiting=args.max_waiting,
                                   api_key=args.api_key, max_n=args.max_n, request_timeout=args.request_timeout,
                                   shutdown_grace=args.shutdown_grace, curve_keys=args.curve_keys).validate()
-        child = None
-        if num_replicas > 1:
-            return _serve_replicas(args, cp, addresses, spawn)
-        if spawn and cp.data_plane is None:
-            cp.data_plane = f"ipc://{tempfile.gettempdir()}/pagedserve-{uuid.uuid4().hex[:12]}.sock"
-            child = SpawnedDataPlane(C.data_plane_config(args, cp.data_plane))
-        elif cp.data_plane is None:
+        if not addresses and not spawn:
             raise C.ConfigError("control-plane needs --data-plane ADDRESS (or use 'pagedserve serve')")
+        children = []
+        if not addresses:
+            addresses, children = launch.spawn(args, num_replicas)
+            cp.data_plane = addresses[0]
     except C.ConfigError as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_server(cp, child))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if child is not None:
-            child.stop()
-    return 0
-
-
-def _serve_replicas(args, cp: C.ControlPlaneConfig, addresses: list[str], spawn: bool) -> int:
-    from control_plane import replicas
-    children = []
-    if not addresses:
-        if not spawn:
-            raise C.ConfigError("control-plane needs --data-plane ADDRESS for every replica")
-        addresses, children = replicas.spawn_replicas(args, args.data_parallel_size)
-    try:
-        asyncio.run(replicas.run_replicated_server(cp, addresses, children))
+        asyncio.run(server.run_server(cp, addresses, children))
     except KeyboardInterrupt:
         pass
     finally:

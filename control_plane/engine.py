@@ -1,25 +1,29 @@
-"""The control plane's step loop: schedule, send the plan, apply the result, stream to clients."""
+"""The control plane's step loop: schedule, send the plan, hand the result to the output
+processor; plus request admission, deadlines, and recovery from a data-plane restart.
+
+What api.py, metrics and the router may use of an engine is the "interface" section below."""
 from __future__ import annotations
 
 import asyncio
 import heapq
 import logging
 import time
-from collections import defaultdict
 
 from control_plane import metrics
 from control_plane.beam_search import BeamSearch
 from control_plane.block_manager import BlockManager
 from control_plane.dp_client import DataPlaneClient, DataPlaneDead
+from control_plane.output_processor import OutputProcessor
 from control_plane.plan_builder import build_plan
 from control_plane.preemption import PreemptionPolicy
-from control_plane.request import Request, RequestOutput
-from control_plane.sampling_params import SamplingParams, ValidationError
-from control_plane.scheduler import Scheduler
+from control_plane.request import Request
+from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
+from control_plane.scheduler import Scheduler, SchedulerLoad
 from control_plane.structured import GrammarBackend, Matchers
-from control_plane.sequence import Sequence, SeqStatus
+from control_plane.sequence import Sequence
+from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
-from shared.protocol import Handshake, SampledToken
+from shared.protocol import Handshake
 
 log = logging.getLogger("pagedserve.control_plane")
 IDLE_PING_SECONDS = 5.0
@@ -42,23 +46,69 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self.owners: dict[int, Request] = {}   # live sequence id -> its request
         self._wakeup = asyncio.Event()
         self._step_id = 0
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
-        self.data_plane_alive = True
+        self._answering = True   # False from a failed exchange until the data plane answers a handshake
+        self.isolation = FailureIsolation(self)   # a failed step fails only the request that caused it
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
-        self.matchers: Matchers | None = None   # structured output, made on the first constrained request
+        self.outputs = OutputProcessor(self.scheduler, self.stats, tokenizer, self.eos_token_ids,
+                                       handshake.max_model_len)
+
+    @property
+    def owners(self) -> dict[int, Request]:
+        """Live sequence id -> its request."""
+        return self.outputs.owners
+
+    # --- the interface api.py, metrics and the router use -----------------------------------
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def load(self) -> SchedulerLoad:
+        return self.scheduler.load()
+
+    def refresh_gauges(self) -> None:
+        self.stats.refresh_gauges(self.load())
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.policy.block_bytes
+
+    def kv_report(self) -> dict:
+        """Block accounting for /debug/kv: blocks in use, queues, preemptions, the integrity check."""
+        sched, bm = self.scheduler, self.scheduler.bm
+        try:
+            sched.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = f"violated: {exc}"
+        cpu_total = bm.cpu_pool.num_blocks if bm.cpu_pool else 0
+        return {"device_blocks": bm.pool.num_blocks, "device_blocks_used": bm.pool.num_blocks - bm.num_free_blocks(),
+                "cpu_blocks": cpu_total, "cpu_blocks_used": cpu_total - (bm.cpu_pool.num_free if bm.cpu_pool else 0),
+                "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
+                "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
+                "integrity": integrity}
+
+    @property
+    def data_plane_alive(self) -> bool:
+        """What /health reports: the data plane answers, and the link to it is up (the client's
+        socket monitor sees a disconnect at once; a lost link is re-established at the next ping)."""
+        return self._answering and getattr(self.client, "link_up", True)
+
+    @data_plane_alive.setter
+    def data_plane_alive(self, value: bool) -> None:
+        self._answering = value
 
     # --- requests ---------------------------------------------------------------------
     @property
     def pool_capacity_tokens(self) -> int:
-        return self.hs.num_device_blocks * self.hs.block_size
+        """Tokens one sequence can ever hold: the pool less the blocks admission keeps free."""
+        return (self.hs.num_device_blocks - self.scheduler.watermark_blocks) * self.hs.block_size
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_length(self, num_prompt_tokens: int, max_tokens: int, width: int = 1) -> None:
         limit = self.hs.max_model_len
         if num_prompt_tokens + max_tokens > limit:
             # OpenAI's wording: clients (litellm, LangChain) recognise the context error by it
@@ -67,10 +117,16 @@ class Engine:
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
                 "the completion). Please reduce the length of the messages or completion.", "messages",
                 "context_length_exceeded")
-        if num_prompt_tokens + max_tokens > self.pool_capacity_tokens:
+        bs = self.hs.block_size
+        needed = num_prompt_tokens + max_tokens
+        if width > 1:   # the sequences share the prompt's blocks; each may own its tail plus one copy
+            needed = -(-num_prompt_tokens // bs) * bs + width * (-(-max_tokens // bs) + 1) * bs
+        if needed > self.pool_capacity_tokens:
             raise ValidationError(
-                f"the prompt plus max_tokens ({num_prompt_tokens + max_tokens} tokens) can never fit the KV "
-                f"pool of {self.pool_capacity_tokens} tokens", "max_tokens", "context_length_exceeded")
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) for {width} "
+                f"sequence{'s' if width > 1 else ''} needs {-(-needed // bs)} KV blocks of {bs} tokens; this "
+                f"server's pool gives one request at most {self.pool_capacity_tokens // bs}, so it can never "
+                "run: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -79,14 +135,16 @@ class Engine:
         if bad:
             raise ValidationError(f"token ids out of the vocabulary [0, {self.hs.vocab_size}): {bad[:5]}",
                                   "prompt", "invalid_token_id")
-        self.check_length(len(prompt_ids), params.max_tokens)
+        check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
+        self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
         if params.constraint is not None:
             self._grammar_matchers().backend.compile(params.constraint)   # a bad grammar is a 400 here
 
     def _grammar_matchers(self) -> Matchers:
-        if self.matchers is None:
-            self.matchers = Matchers(GrammarBackend(self.tokenizer, self.hs.vocab_size, self.eos_token_ids))
-        return self.matchers
+        """Structured output's matchers, made on the first constrained request (xgrammar loads then)."""
+        if self.outputs.matchers is None:
+            self.outputs.matchers = Matchers(GrammarBackend(self.tokenizer, self.hs.vocab_size, self.eos_token_ids))
+        return self.outputs.matchers
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
@@ -101,30 +159,25 @@ class Engine:
             req.beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, params.max_tokens,
                                   frozenset(params.stop_ids(self.eos_token_ids)))
             req.beam.start(seq.seq_id)
-        self._register(req, seq)
+        self.outputs.register(req, seq)
         if params.constraint is not None:
             m = self._grammar_matchers()
             m.add(seq.seq_id, m.backend.compile(params.constraint))
         self.scheduler.add(seq)
+        self.isolation.admitted(req)
         self.stats.on_arrival(len(prompt_ids))
         self._wakeup.set()
         return req
-
-    def _register(self, req: Request, seq: Sequence) -> None:
-        req.add_seq(seq)
-        self.owners[seq.seq_id] = req
 
     def abort(self, req: Request, reason: str = "abort", error: str | None = None) -> None:
         """Ends a request wherever it is and frees its blocks: a client gone ("abort"), a deadline
         passed ("timeout"), or a shutdown ("abort" with an error the client is told)."""
         if not req.finished:
-            for seq in req.live_seqs():
-                self._end_seq(req, seq, reason, error)
-            self._close(req, reason)
+            self.outputs.end_request(req, reason, error)
             self._wakeup.set()
 
     def num_unfinished(self) -> int:
-        return len({id(r) for r in self.owners.values()})
+        return len(self.outputs.live_requests())
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -146,6 +199,7 @@ class Engine:
             if now - last_log >= self.config.log_interval:
                 self._log_progress(now - last_log)
                 last_log = now
+            self.isolation.release()
             if not self.scheduler.has_work():
                 self._wakeup.clear()
                 try:
@@ -173,36 +227,43 @@ class Engine:
                     self.hs = await self.client.handshake(self.config.step_timeout + RESTART_SECONDS)
                 except DataPlaneDead as again:
                     log.error("%s", again)
+                    await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
                     continue
                 self._requeue_all()
                 self.data_plane_alive = True
                 return
 
     def _requeue_all(self) -> None:
-        """After a data-plane restart its pool is new and empty: every sequence starts over."""
+        """After a data-plane restart its pool is new and empty: every sequence starts over. The new
+        data plane may differ (pool sizes, dtype): what depends on its handshake is renewed."""
         num_seqs = self.scheduler.restart(BlockManager(
             self.hs.num_device_blocks, self.hs.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
             num_cpu_blocks=self.hs.num_cpu_blocks))
-        for req in {id(r): r for r in self.owners.values()}.values():
+        self.policy.block_bytes = PreemptionPolicy.block_bytes_of(self.hs)
+        self.outputs.max_model_len = self.hs.max_model_len
+        for req in self.outputs.live_requests():
             if req.beam is not None:
                 req.beam.candidates.clear()   # recomputed beams report again
         log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:
+        self.isolation.release()
         out = self.scheduler.schedule()
         sched = self.scheduler
         if out.is_empty and not sched.running and (sched.swapped or sched.waiting):
             # nothing runs and the head of the queue still cannot get its blocks: it never will
             stuck = sched.swapped[0][0] if sched.swapped else sched.waiting[0]
-            self._fail(self.owners[stuck.seq_id], "the request does not fit the KV pool")
+            self.outputs.fail(self.owners[stuck.seq_id], "the request does not fit the KV pool")
             return
         self._step_id += 1
         plan = build_plan(self._step_id, out, self.scheduler.bm)
-        if self.matchers is not None and self.matchers.by_seq:
-            plan.token_masks = self.matchers.step_masks(out.scheduled)
+        matchers = self.outputs.matchers
+        if matchers is not None and matchers.by_seq:
+            plan.token_masks = matchers.step_masks(out.scheduled)
+        self.scheduler.commit(out)
         started = time.monotonic()
         result = await self.client.step(plan, self.config.step_timeout)
-        self.stats.on_step(out, result, time.monotonic() - started, self.scheduler)
+        self.stats.on_step(out, time.monotonic() - started, self.load())
         if out.swapped_out:
             self.stats.on_preemption("swap", len(out.swapped_out))
         if out.swap_out or out.swap_in:
@@ -211,142 +272,11 @@ class Engine:
                             result.forward_seconds)
         if result.error:
             log.error("step %d failed on the data plane: %s", plan.step_id, result.error)
-            for s in out.scheduled:
-                req = self.owners.get(s.seq.seq_id)
-                if req is not None and not req.finished:
-                    self._fail(req, result.error)
+            self.isolation.on_failure(out, result.error)
             return
+        self.isolation.on_success(out)
         self.scheduler.on_step_done(out)
-        self._apply_result(result.sampled)
-
-    # --- applying a step's result -------------------------------------------------------
-    def _apply_result(self, sampled: list[SampledToken]) -> None:
-        draws: dict[int, list[SampledToken]] = defaultdict(list)
-        for tok in sampled:
-            draws[tok.seq_id].append(tok)
-        beam_requests = []
-        for seq_id, seq_draws in draws.items():
-            req = self.owners.get(seq_id)
-            if req is None or req.finished or req.seqs[seq_id].is_finished:
-                continue   # aborted while the step ran
-            seq = req.seqs[seq_id]
-            if req.beam is not None:
-                req.beam.report(seq_id, seq_draws[0].top_logprobs)
-                if req.beam.ready() and req not in beam_requests:
-                    beam_requests.append(req)
-                continue
-            for j, draw in enumerate(seq_draws[1:], start=1):
-                # parallel sampling: sample j forks from the prompt the samples share
-                child = Sequence(req.request_id, list(seq.token_ids), seq.num_prompt_tokens, req.params,
-                                 req.params.spec(self.eos_token_ids, draw=j), sample_index=j,
-                                 arrival_time=seq.arrival_time)
-                self._register(req, child)
-                if self.matchers is not None:
-                    self.matchers.fork(seq.seq_id, child.seq_id, child.output_token_ids)
-                self.scheduler.fork(seq, child)
-                self._on_token(req, child, draw)
-            self._on_token(req, seq, seq_draws[0])
-        for req in beam_requests:
-            self._beam_step(req)
-
-    def _on_token(self, req: Request, seq: Sequence, sampled: SampledToken) -> None:
-        params = req.params
-        first = seq.num_output_tokens == 0
-        if self.matchers is not None and not self.matchers.accept(seq.seq_id, sampled.token_id):
-            log.error("sequence %d sampled token %d outside its grammar", seq.seq_id, sampled.token_id)
-        seq.token_ids.append(sampled.token_id)
-        seq.cumulative_logprob += sampled.logprob
-        self.stats.on_token(seq, first and seq.sample_index == 0)   # one first token per request
-        detok = req.detoks[seq.sample_index]
-        is_stop_token = sampled.token_id in seq.spec.stop_token_ids
-        detok.add(sampled.token_id, skip=is_stop_token)
-        reason = None
-        if seq.num_output_tokens >= params.min_tokens and (is_stop_token or detok.find_stop()):
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.hs.max_model_len:
-            reason = "length"
-        logprobs = [sampled] if params.logprobs is not None else []
-        if not req.buffered:
-            req.emit(RequestOutput(seq.sample_index, detok.take_new_text(reason is not None), [sampled.token_id],
-                                   logprobs, reason is not None, reason, seq.num_prompt_tokens,
-                                   seq.num_output_tokens))
-        if reason:
-            self._end_seq(req, seq, reason)
-            if not req.live_seqs():
-                self._complete(req)
-
-    def _complete(self, req: Request) -> None:
-        """All sequences ended: hand out the chosen ones if they were held back."""
-        ranked = sorted(req.seqs.values(), key=lambda s: -s.cumulative_logprob)[:req.params.n]
-        if req.buffered:
-            for index, seq in enumerate(ranked):
-                detok = req.detoks[seq.sample_index]
-                req.emit(RequestOutput(index, detok.take_new_text(True), seq.output_token_ids, [], True,
-                                       seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens))
-        else:
-            ranked = sorted(req.seqs.values(), key=lambda s: s.sample_index)
-        self._close(req, ranked[0].finish_reason, sum(s.num_output_tokens for s in ranked))
-
-    def _beam_step(self, req: Request) -> None:
-        beam = req.beam
-        live = [s for s in req.live_seqs() if s.seq_id in beam.scores]
-        choices, done = beam.step({s.seq_id: s.output_token_ids for s in live})
-        if done:
-            for seq in live:
-                self._end_seq(req, seq, "beam_done")
-            best = beam.best(req.params.n)
-            for index, hyp in enumerate(best):
-                text = self.tokenizer.decode(hyp.output_ids, skip_special_tokens=True)
-                req.emit(RequestOutput(index, text, hyp.output_ids, [], True, hyp.finish_reason,
-                                       len(req.prompt_ids), len(hyp.output_ids)))
-            returned = sum(len(h.output_ids) for h in best)
-            self.stats.on_generated(returned)
-            self._close(req, best[0].finish_reason if best else "length", returned)
-            return
-        picks: dict[int, list] = defaultdict(list)
-        for choice in choices:
-            picks[choice.parent_seq_id].append(choice)
-        for seq in live:            # dropped beams first: their blocks make room for the copies
-            if not picks[seq.seq_id]:
-                self._end_seq(req, seq, "beam_pruned")
-        for seq in live:
-            mine = picks[seq.seq_id]
-            for extra in mine[1:]:
-                child = Sequence(req.request_id, list(seq.token_ids), seq.num_prompt_tokens, req.params, seq.spec,
-                                 sample_index=len(req.seqs), arrival_time=seq.arrival_time)
-                self._register(req, child)
-                if seq.status is SeqStatus.RUNNING:
-                    self.scheduler.fork(seq, child)      # shares every block, copy-on-write
-                else:
-                    self.scheduler.add(child)            # the parent was preempted: recompute
-                child.token_ids.append(extra.token_id)
-                beam.scores[child.seq_id] = extra.score
-            if mine:
-                seq.token_ids.append(mine[0].token_id)
-                beam.scores[seq.seq_id] = mine[0].score
-
-    def _end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
-        self.scheduler.finish(seq, reason)
-        self.owners.pop(seq.seq_id, None)
-        if self.matchers is not None:
-            self.matchers.drop(seq.seq_id)
-        self.stats.on_seq_end(seq)
-        if error is not None or (reason in ("abort", "timeout") and not req.buffered):
-            detok = req.detoks.get(seq.sample_index)
-            req.emit(RequestOutput(seq.sample_index, detok.take_new_text(True) if detok else "", [], [], True,
-                                   reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
-
-    def _close(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
-        req.finished = True
-        req.end_reason = reason
-        first_seq = next(iter(req.seqs.values()))
-        self.stats.on_finish(first_seq, reason, num_output_tokens)
-        req.emit(RequestOutput(-1, "", [], [], True, None))   # wakes a reader waiting on the queue
-
-    def _fail(self, req: Request, error: str) -> None:
-        for seq in req.live_seqs():
-            self._end_seq(req, seq, "error", error)
-        self._close(req, "error")
+        self.outputs.apply(result.sampled)
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler
@@ -358,5 +288,5 @@ class Engine:
     async def stop(self) -> None:
         self._stopping = True
         self._wakeup.set()
-        for req in {id(r): r for r in self.owners.values()}.values():
+        for req in self.outputs.live_requests():
             self.abort(req, error=SHUTDOWN_MESSAGE)

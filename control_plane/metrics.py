@@ -7,7 +7,7 @@ incremented makes ``rate()`` return nothing, and a dashboard panel stays empty).
 
 What the engine calls, and when:
   on_arrival(num_prompt_tokens)          a request (one sequence) entered the waiting queue
-  on_step(out, result, seconds, sched)   after each step's result came back
+  on_step(out, seconds, load)            after each step's result came back (load: a SchedulerLoad)
   on_token(seq, first)                   per sampled token appended to a sequence
   on_finish(seq, reason)                 a sequence ended: stop | length | abort | error
   on_preemption(kind, num_seqs)          preemptions other than those in `out.preempted`
@@ -103,47 +103,49 @@ class EngineStats:
                                    "Round trip of one step plan to the data plane and back", TOKEN_LATENCY_BUCKETS)
         self._generated_since_log = 0
         self._last_token_time: dict[int, float] = {}
-        self._prefix_seen = (0, 0)
-        self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step   # the block manager's cumulative (queries, hits) at the last step
+        self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
+        self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step
+        # sequences already scheduled once: their queue time is counted; dropped when they end
+        self._scheduled: set[int] = set()
 
     # --- called by the engine -------------------------------------------------------------
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.received.inc()
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def on_step(self, out, result, seconds: float, scheduler) -> None:
-        """`out`: the SchedulerOutput sent; `seconds`: the round trip that just ended."""
+    def on_step(self, out, seconds: float, load) -> None:
+        """`out`: the SchedulerOutput sent; `seconds`: the round trip that just ended; `load`: the
+        scheduler's SchedulerLoad after it."""
         now = time.monotonic()
         self.step_time.observe(seconds)
         step_started = now - seconds
         for s in out.scheduled:
             seq = s.seq
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = step_started
+            if seq.seq_id not in self._scheduled:
+                self._scheduled.add(seq.seq_id)
                 if seq.num_output_tokens == 0:   # not a sample or beam forked from a running sequence
                     self.queue_time.observe(max(0.0, step_started - seq.arrival_time))
         if out.preempted:
             self.preemptions["recompute"].inc(len(out.preempted))
-        self.refresh_gauges(scheduler)
-        copies = scheduler.bm.num_cow_copies
+        self.refresh_gauges(load)
+        copies = load.num_cow_copies
         if copies > self._copies_seen:
             self.cow_copies.inc(copies - self._copies_seen)
             self._copies_seen = copies
-        self.blocks_shared.set(scheduler.bm.num_shared_blocks)
-        queries, hits = getattr(scheduler.bm, "prefix_queries", 0), getattr(scheduler.bm, "prefix_hits", 0)
+        self.blocks_shared.set(load.num_shared_blocks)
+        queries, hits = load.prefix_queries, load.prefix_hits
         if queries > self._prefix_seen[0]:
             self.on_prefix_cache(queries - self._prefix_seen[0], hits - self._prefix_seen[1])
             self._prefix_seen = (queries, hits)
 
-    def refresh_gauges(self, scheduler) -> None:
-        """Queue sizes and pool usage now: after every step, and at every scrape (requests finish
-        and free their blocks between steps)."""
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.swapped.set(len(getattr(scheduler, "swapped", ())))
-        self.kv_usage.set(scheduler.bm.usage())
-        cpu_usage = getattr(scheduler.bm, "cpu_usage", None)  # present once a CPU swap pool exists
-        self.cpu_kv_usage.set(cpu_usage() if cpu_usage is not None else 0.0)
+    def refresh_gauges(self, load) -> None:
+        """Queue sizes and pool usage now (`load`: a SchedulerLoad): after every step, and at every
+        scrape (requests finish and free their blocks between steps)."""
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        self.swapped.set(load.swapped)
+        self.kv_usage.set(load.kv_usage)
+        self.cpu_kv_usage.set(load.cpu_kv_usage)
 
     def on_token(self, seq, first: bool) -> None:
         now = time.monotonic()
@@ -158,6 +160,7 @@ class EngineStats:
     def on_seq_end(self, seq) -> None:
         """A sequence left the batch (its request may go on: parallel samples, beams)."""
         self._last_token_time.pop(seq.seq_id, None)
+        self._scheduled.discard(seq.seq_id)
 
     def on_generated(self, num_tokens: int) -> None:
         """Tokens handed out at the end rather than one by one (beam search)."""
@@ -167,6 +170,7 @@ class EngineStats:
     def on_finish(self, seq, reason: str, num_output_tokens: int | None = None) -> None:
         """A request ended; `seq` is its first sequence, `num_output_tokens` what it returned."""
         self._last_token_time.pop(seq.seq_id, None)
+        self._scheduled.discard(seq.seq_id)
         if reason not in self.finished:  # a reason added later still gets counted
             self.finished[reason] = self._finished_family.labels(self.model_name, reason)
         self.finished[reason].inc()

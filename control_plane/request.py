@@ -38,6 +38,7 @@ class Request:
         self.finished = False
         self.end_reason: str | None = None           # how it ended: stop, length, abort, timeout, error
         self.deadline: float | None = None           # time.monotonic() past which it is aborted
+        self.replica = 0                             # which engine serves it (control_plane/router.py)
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     @property

@@ -12,8 +12,8 @@ own data plane with its own KV pool; the router only chooses, per request, which
   3. otherwise, by load: the live replica with the fewest unfinished requests (ties: the one that
      was given fewer requests so far).
 
-To the API the router looks like one engine (the attributes api.py reads); /metrics exports every
-engine's series with a `replica` label ("0", "1", ...).
+To the API the router looks like one engine (the interface section of engine.py); /metrics exports
+every engine's series with a `replica` label ("0", "1", ...).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from control_plane.block_manager import chain_block_hashes
 from control_plane.engine import Engine
 from control_plane.request import Request
 from control_plane.sampling_params import SamplingParams
@@ -35,11 +36,8 @@ MAX_AFFINITY_ENTRIES = 65536  # remembered prefixes; the oldest are forgotten fi
 
 def leading_block_hashes(prompt_ids: list[int], block_size: int, max_blocks: int = AFFINITY_BLOCKS) -> list[int]:
     """Chained hashes of the prompt's leading full blocks: entry i covers tokens [0, (i+1)*block_size)."""
-    hashes, parent = [], None
-    for i in range(min(len(prompt_ids) // block_size, max_blocks)):
-        parent = hash((parent, tuple(prompt_ids[i * block_size:(i + 1) * block_size])))
-        hashes.append(parent)
-    return hashes
+    num_blocks = min(len(prompt_ids) // block_size, max_blocks)
+    return [h for _, h, _ in chain_block_hashes(prompt_ids, block_size, num_blocks)]
 
 
 class Router:
@@ -54,13 +52,11 @@ class Router:
         self.engines = engines
         self.config = first.config
         self.tokenizer = first.tokenizer
-        self.policy = first.policy
         self.slack = max(1, self.config.max_num_seqs // 4)
         self._affinity: OrderedDict[int, int] = OrderedDict()   # leading-block hash -> replica
         self.num_routed = [0] * len(engines)
         self.num_affinity_hits = 0
         self.stats = _ReplicaStats(engines)
-        self.scheduler = _Schedulers(engines)
 
     # --- what api.py reads of an engine -------------------------------------------------
     @property
@@ -90,6 +86,28 @@ class Router:
 
     def num_unfinished(self) -> int:
         return sum(e.num_unfinished() for e in self.engines)
+
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting() for e in self.engines)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.engines[0].kv_block_bytes
+
+    def refresh_gauges(self) -> None:
+        for e in self.engines:
+            e.refresh_gauges()
+
+    def kv_report(self) -> dict:
+        """Every replica's /debug/kv summed; the integrity check names the first replica that fails."""
+        reports = [e.kv_report() for e in self.engines]
+        total = {key: sum(r[key] for r in reports) for key in ("device_blocks", "device_blocks_used", "cpu_blocks",
+                                                               "cpu_blocks_used", "running", "waiting", "swapped")}
+        total["preemptions"] = {kind: sum(r["preemptions"][kind] for r in reports) for kind in ("recompute", "swap")}
+        bad = [f"replica {i}: {r['integrity'].removeprefix('violated: ')}" for i, r in enumerate(reports)
+               if r["integrity"] != "ok"]
+        total["integrity"] = f"violated: {bad[0]}" if bad else "ok"
+        return total
 
     # --- routing ----------------------------------------------------------------------------
     def choose(self, prompt_ids: list[int]) -> int:
@@ -121,7 +139,7 @@ class Router:
         return req
 
     def abort(self, req: Request, *args, **kwargs) -> None:
-        self.engines[getattr(req, "replica", 0)].abort(req, *args, **kwargs)
+        self.engines[req.replica].abort(req, *args, **kwargs)
 
     # --- lifetime -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -140,10 +158,6 @@ class _ReplicaStats:
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
-    def refresh_gauges(self, scheduler=None) -> None:
-        for e in self.engines:
-            e.stats.refresh_gauges(e.scheduler)
-
     def collect(self):
         families: dict[str, Metric] = {}
         for replica, e in enumerate(self.engines):
@@ -156,55 +170,3 @@ class _ReplicaStats:
                     merged.add_sample(s.name, {**s.labels, "replica": str(replica)}, s.value, s.timestamp,
                                       s.exemplar)
         return list(families.values())
-
-
-class _Schedulers:
-    """The replicas' queues and pools summed, for the API's overload check and /debug/kv."""
-
-    def __init__(self, engines: list[Engine]):
-        self.engines = engines
-        self.bm = _BlockManagers(engines)
-
-    def _all(self, name: str) -> list:
-        return [x for e in self.engines for x in getattr(e.scheduler, name)]
-
-    waiting = property(lambda self: self._all("waiting"))
-    running = property(lambda self: self._all("running"))
-    swapped = property(lambda self: self._all("swapped"))
-    num_preemptions = property(lambda self: sum(e.scheduler.num_preemptions for e in self.engines))
-    num_swap_preemptions = property(lambda self: sum(e.scheduler.num_swap_preemptions for e in self.engines))
-
-    def check_integrity(self) -> None:
-        for i, e in enumerate(self.engines):
-            try:
-                e.scheduler.check_integrity()
-            except AssertionError as exc:
-                raise AssertionError(f"replica {i}: {exc}") from None
-
-
-class _Pool:
-    def __init__(self, num_blocks: int, num_free: int):
-        self.num_blocks, self.num_free = num_blocks, num_free
-
-
-class _BlockManagers:
-    def __init__(self, engines: list[Engine]):
-        self.engines = engines
-
-    def _bms(self):
-        return [e.scheduler.bm for e in self.engines]
-
-    @property
-    def pool(self) -> _Pool:
-        return _Pool(sum(bm.pool.num_blocks for bm in self._bms()), self.num_free_blocks())
-
-    @property
-    def cpu_pool(self) -> _Pool | None:
-        pools = [bm.cpu_pool for bm in self._bms() if bm.cpu_pool]
-        return _Pool(sum(p.num_blocks for p in pools), sum(p.num_free for p in pools)) if pools else None
-
-    def num_free_blocks(self) -> int:
-        return sum(bm.num_free_blocks() for bm in self._bms())
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks() / max(1, self.pool.num_blocks)

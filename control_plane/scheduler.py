@@ -26,6 +26,10 @@ from control_plane.sequence import Sequence, SeqStatus
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running sequences can grow
 
 
+def watermark_of(bm: BlockManager) -> int:
+    return max(1, int(WATERMARK_FRACTION * bm.pool.num_blocks))
+
+
 def run_order(seq: Sequence) -> tuple:
     """Priority, then arrival; the sequences of one request stay together."""
     return seq.params.priority, seq.arrival_time, seq.request_id, seq.sample_index
@@ -44,6 +48,20 @@ class ScheduledSeq:
 
 
 @dataclass
+class SchedulerLoad:
+    """The queues and pools at one moment: what metrics and the API read of a scheduler."""
+    running: int                   # sequences in the running batch
+    waiting: int                   # sequences waiting to be admitted (or recomputed)
+    swapped: int                   # requests swapped out to the CPU pool
+    kv_usage: float                # fraction of device blocks in use
+    cpu_kv_usage: float            # fraction of CPU swap-pool blocks in use (0: no pool)
+    num_cow_copies: int            # copy-on-write copies so far
+    num_shared_blocks: int         # device blocks referenced by more than one sequence now
+    prefix_queries: int            # prompt tokens looked up in the prefix cache so far
+    prefix_hits: int               # of which found
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)     # dropped for recompute
@@ -51,10 +69,6 @@ class SchedulerOutput:
     forget_seq_ids: list[int] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -74,7 +88,7 @@ class Scheduler:
         self.num_swap_preemptions = 0
         self._forget: list[int] = []          # seq ids the data plane should drop at the next plan
         self.num_preemptions = 0
-        self.watermark_blocks = max(1, int(WATERMARK_FRACTION * block_manager.pool.num_blocks))
+        self.watermark_blocks = watermark_of(block_manager)
 
     # --- queues ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -193,9 +207,14 @@ class Scheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped:
                 self._admit(out, budget)
+        return out
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The plan built from `out` was sent: the data plane now knows every scheduled sequence
+        and every token the plan carried (the one place these flags are set)."""
         for s in out.scheduled:
             s.seq.known_to_data_plane = True
-        return out
+            s.seq.num_tokens_sent = s.seq.num_tokens
 
     def _grow(self, seq: Sequence, num_new: int, reserve: int = 0) -> Growth | None:
         return self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new, write_from=seq.num_computed_tokens,
@@ -274,6 +293,7 @@ class Scheduler:
         recomputed from scratch (keeping the tokens it generated). Returns how many."""
         seqs = self.running + [s for group in self.swapped for s in group] + list(self.waiting)
         self.bm = block_manager
+        self.watermark_blocks = watermark_of(block_manager)   # the new pool may differ in size
         self.running, self._forget = [], []
         self.swapped.clear()
         self.waiting.clear()
@@ -281,6 +301,11 @@ class Scheduler:
             seq.status, seq.num_computed_tokens, seq.known_to_data_plane = SeqStatus.WAITING, 0, False
             self.waiting.append(seq)
         return len(seqs)
+
+    def load(self) -> SchedulerLoad:
+        bm = self.bm
+        return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), bm.usage(), bm.cpu_usage(),
+                             bm.num_cow_copies, bm.num_shared_blocks, bm.prefix_queries, bm.prefix_hits)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity()

@@ -36,7 +36,6 @@ class Sequence:
     num_tokens_sent: int = 0            # beams: tokens the data plane has (it appends no token itself)
     finish_reason: str | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
     cumulative_logprob: float = 0.0
 
     @property

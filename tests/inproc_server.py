@@ -15,7 +15,7 @@ from control_plane.engine import Engine
 from data_plane import attention
 from data_plane.model_runner import ModelRunner
 from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.factories import tiny_llama
+from tests.helpers import tiny_llama
 from tests.servers import free_port
 
 MODEL_NAME = "tiny-chat"

@@ -71,7 +71,9 @@ def play_greedy(runner, prompts, max_tokens, num_blocks, budget=32, max_num_seqs
         out = sched.schedule()
         step += 1
         assert step - first_step < 50 * len(prompts) * (max_tokens + 1), "the scheduler makes no progress"
-        result = runner.execute(build_plan(step, out, sched.bm))
+        plan = build_plan(step, out, sched.bm)
+        sched.commit(out)
+        result = runner.execute(plan)
         assert result.error is None, result.error
         sched.on_step_done(out)
         for tok in result.sampled:

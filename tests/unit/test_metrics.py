@@ -8,8 +8,9 @@ from prometheus_client import generate_latest
 
 from control_plane.metrics import EngineStats
 from data_plane import metrics as dpm
-from shared.protocol import NewSequence, SamplingSpec, StepPlan, StepResult
-from tests.unit.test_dashboard import handshake
+from control_plane.scheduler import SchedulerLoad
+from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan, StepResult
+from tests.helpers import handshake
 
 MODEL = "m"
 
@@ -21,14 +22,14 @@ def value(registry, name: str, **labels) -> float:
 
 
 def fake_seq(seq_id: int, arrival: float, num_prompt: int = 5, num_output: int = 0):
-    return SimpleNamespace(seq_id=seq_id, arrival_time=arrival, first_scheduled_time=None,
-                           num_prompt_tokens=num_prompt, num_output_tokens=num_output)
+    return SimpleNamespace(seq_id=seq_id, arrival_time=arrival, num_prompt_tokens=num_prompt,
+                           num_output_tokens=num_output)
 
 
-def fake_scheduler(running=0, waiting=0, usage=0.5, **bm):
-    bm = {"num_cow_copies": 0, "num_shared_blocks": 0, **bm}
-    return SimpleNamespace(running=[None] * running, waiting=[None] * waiting,
-                           bm=SimpleNamespace(usage=lambda: usage, **bm))
+def fake_load(running=0, waiting=0, usage=0.5, **rest):
+    fields = {"swapped": 0, "cpu_kv_usage": 0.0, "num_cow_copies": 0, "num_shared_blocks": 0, "prefix_queries": 0,
+              "prefix_hits": 0, **rest}
+    return SchedulerLoad(running=running, waiting=waiting, kv_usage=usage, **fields)
 
 
 def step_out(scheduled=(), preempted=()):
@@ -43,8 +44,10 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
     seq = fake_seq(1, arrival=100.0)
     stats.on_arrival(5)
     clock[0] = 102.0
-    stats.on_step(step_out([seq]), None, 0.5, fake_scheduler(running=1, waiting=2, usage=0.25))
-    assert seq.first_scheduled_time == 101.5
+    before = dict(vars(seq))
+    stats.on_step(step_out([seq]), 0.5, fake_load(running=1, waiting=2, usage=0.25))
+    assert vars(seq) == before                  # metrics read the sequence, never write it
+    assert value(r, "pagedserve_request_queue_time_seconds_count") == 1
     assert value(r, "pagedserve_request_queue_time_seconds_sum") == 1.5
     assert value(r, "pagedserve_num_requests_running") == 1
     assert value(r, "pagedserve_num_requests_waiting") == 2
@@ -55,7 +58,7 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
     stats.on_token(seq, first=False)
     seq.num_output_tokens = 2
     clock[0] = 103.0
-    stats.on_step(step_out([seq]), None, 0.1, fake_scheduler())    # already scheduled: no second queue time
+    stats.on_step(step_out([seq]), 0.1, fake_load())    # already scheduled: no second queue time
     stats.on_finish(seq, "length")
     assert value(r, "pagedserve_request_queue_time_seconds_count") == 1
     assert value(r, "pagedserve_time_to_first_token_seconds_sum") == 2.0
@@ -75,15 +78,15 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
 def test_forked_samples_add_no_queue_time():
     stats = EngineStats(MODEL)
     child = fake_seq(2, arrival=0.0, num_output=1)     # forked after its parent's first token
-    stats.on_step(step_out([child]), None, 0.1, fake_scheduler())
-    assert child.first_scheduled_time is not None
+    stats.on_step(step_out([child]), 0.1, fake_load())
+    stats.on_step(step_out([child]), 0.1, fake_load())
     assert value(stats.registry, "pagedserve_request_queue_time_seconds_count") == 0
 
 
 def test_preemptions_swap_and_prefix_cache():
     stats = EngineStats(MODEL)
     r = stats.registry
-    stats.on_step(step_out(preempted=[fake_seq(1, 0.0), fake_seq(2, 0.0)]), None, 0.1, fake_scheduler())
+    stats.on_step(step_out(preempted=[fake_seq(1, 0.0), fake_seq(2, 0.0)]), 0.1, fake_load())
     stats.on_preemption("swap")
     stats.on_swap(num_blocks_out=3, num_blocks_in=1)
     assert value(r, "pagedserve_num_preemptions_total", kind="recompute") == 2
@@ -93,18 +96,16 @@ def test_preemptions_swap_and_prefix_cache():
     with pytest.raises(AssertionError):
         stats.on_preemption("evict")
     # the block manager's cumulative prefix counters are turned into increments, step after step
-    stats.on_step(step_out(), None, 0.1, fake_scheduler(prefix_queries=40, prefix_hits=16))
-    stats.on_step(step_out(), None, 0.1, fake_scheduler(prefix_queries=40, prefix_hits=16))
-    stats.on_step(step_out(), None, 0.1, fake_scheduler(prefix_queries=100, prefix_hits=48))
+    stats.on_step(step_out(), 0.1, fake_load(prefix_queries=40, prefix_hits=16))
+    stats.on_step(step_out(), 0.1, fake_load(prefix_queries=40, prefix_hits=16))
+    stats.on_step(step_out(), 0.1, fake_load(prefix_queries=100, prefix_hits=48))
     assert value(r, "pagedserve_prefix_cache_queries_total") == 100
     assert value(r, "pagedserve_prefix_cache_hits_total") == 48
 
 
 def test_swapped_queue_and_cpu_pool_are_read_when_present():
     stats = EngineStats(MODEL)
-    sched = fake_scheduler(cpu_usage=lambda: 0.75)
-    sched.swapped = [None, None]
-    stats.on_step(step_out(), None, 0.1, sched)
+    stats.on_step(step_out(), 0.1, fake_load(cpu_kv_usage=0.75, swapped=2))
     assert value(stats.registry, "pagedserve_num_requests_swapped") == 2
     assert value(stats.registry, "pagedserve_cpu_kv_cache_usage_perc") == 0.75
 
@@ -124,9 +125,9 @@ def test_data_plane_step_swap_and_copies():
     hs = handshake(model_id="/x/m.gguf", num_cpu_blocks=4)
     stats = dpm.DataPlaneStats(hs)
     r = stats.registry
-    block = dpm.block_bytes(hs)
+    block = stats.block_bytes
     assert block == 30 * 2 * 16 * 3 * 64 * 4
-    plan = StepPlan(1, new_seqs=[new_seq(1, 7)], cont_seqs=[(2, 1, [])], swap_out=[(1, 0), (2, 1), (3, 2)],
+    plan = StepPlan(1, new_seqs=[new_seq(1, 7)], cached_seqs=[CachedSequence(2, 1)], swap_out=[(1, 0), (2, 1), (3, 2)],
                     swap_in=[(0, 5)], copies=[(4, 6)])
     stats.on_step(plan, StepResult(1, num_tokens=8, forward_seconds=0.3, swap_seconds=0.04), 0.5)
     assert value(r, "pagedserve_data_plane_step_duration_seconds_sum") == 0.5
@@ -168,8 +169,8 @@ def test_a_taken_metrics_port_is_not_fatal(caplog):
 
 def test_copy_on_write_and_shared_blocks_follow_the_block_manager():
     stats = EngineStats("m")
-    stats.on_step(step_out(), None, 0.01, fake_scheduler(num_cow_copies=3, num_shared_blocks=2))
-    stats.on_step(step_out(), None, 0.01, fake_scheduler(num_cow_copies=5, num_shared_blocks=0))
+    stats.on_step(step_out(), 0.01, fake_load(num_cow_copies=3, num_shared_blocks=2))
+    stats.on_step(step_out(), 0.01, fake_load(num_cow_copies=5, num_shared_blocks=0))
     r = stats.registry
     assert value(r, "pagedserve_kv_block_copies_total") == 5
     assert value(r, "pagedserve_kv_blocks_shared") == 0

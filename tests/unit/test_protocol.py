@@ -9,9 +9,9 @@ def test_step_plan_round_trip():
         step_id=7,
         new_seqs=[P.NewSequence(3, [1, 2, 3, 4], 3, 0, 4, [5, 9],
                                 P.SamplingSpec(temperature=0.7, top_k=5, seed=11, stop_token_ids=[2], logprobs=2))],
-        cont_seqs=[(1, 1, [], []), (2, 1, [17], [42])],
+        cached_seqs=[P.CachedSequence(1, 1), P.CachedSequence(2, 1, [17], [42], [(1, 12)])],
         forget_seq_ids=[0],
-        swap_out=[(4, 0)], swap_in=[(1, 6)], copies=[(8, 12)], remaps=[(2, 1, 12)])
+        swap_out=[(4, 0)], swap_in=[(1, 6)], copies=[(8, 12)])
     kind, back = P.decode(P.encode(P.STEP_PLAN, plan))
     assert kind == P.STEP_PLAN
     assert back == plan
@@ -25,8 +25,8 @@ def test_result_and_handshake_round_trip():
 
 
 def test_decode_step_costs_a_few_bytes():
-    # a decode step for 32 known sequences carries only (id, 1, [], []) per sequence
-    plan = P.StepPlan(100, cont_seqs=[(i, 1, [], []) for i in range(32)])
+    # a decode step for 32 known sequences carries only [id, 1] per sequence
+    plan = P.StepPlan(100, cached_seqs=[P.CachedSequence(i, 1) for i in range(32)])
     assert len(P.encode(P.STEP_PLAN, plan)) < 200
 
 
@@ -38,5 +38,21 @@ def test_decode_step_costs_a_few_bytes():
     msgpack.packb("just a string"),
 ])
 def test_bad_frames_raise_protocol_error(frame):
+    with pytest.raises(P.ProtocolError):
+        P.decode(frame)
+
+
+def test_a_decode_step_of_a_cached_sequence_is_two_integers_on_the_wire():
+    assert P.CachedSequence(5, 1).to_wire() == [5, 1]
+    assert P.CachedSequence(5, 1, [9]).to_wire() == [5, 1, [9]]
+    assert P.CachedSequence(5, 1, [], [], [(0, 3)]).to_wire() == [5, 1, [], [], [(0, 3)]]
+    # 64 decodes of sequence ids past 1000: [id, 1] each, about 5 bytes a sequence
+    plan = P.StepPlan(100, cached_seqs=[P.CachedSequence(1000 + i, 1) for i in range(64)])
+    assert len(P.encode(P.STEP_PLAN, plan)) <= 340
+
+
+@pytest.mark.parametrize("cached", [[5], [5, 1, [], [], [], "extra"]])
+def test_a_cached_sequence_of_the_wrong_length_is_refused(cached):
+    frame = msgpack.packb([P.PROTOCOL_VERSION, "plan", [1, [], [cached], [], [], [], []]])
     with pytest.raises(P.ProtocolError):
         P.decode(frame)

@@ -22,6 +22,7 @@ def fake_step(sched: Scheduler, token: int = 7):
     """Schedules one step and plays the data plane: every sequence whose tokens are all computed
     gets one sampled token, as the engine would append it."""
     out = sched.schedule()
+    sched.commit(out)       # the plan was sent
     sched.on_step_done(out)
     for s in out.scheduled:
         if s.seq.num_computed_tokens == s.seq.num_tokens:
@@ -177,3 +178,28 @@ def test_the_lowest_priority_gives_way_before_a_later_arrival():
             break
     assert [s.request_id for s in out.preempted] == ["r0"]
     assert [r for r, *_ in scheduled(out)] == ["r1"]
+
+
+def test_building_a_plan_changes_nothing_and_commit_records_what_was_sent():
+    from control_plane.plan_builder import build_plan
+    sched = make_scheduler()
+    (a,) = make_seqs(6)
+    a.spec = a.params.spec([2])
+    sched.add(a)
+    out = sched.schedule()
+    first, again = build_plan(1, out, sched.bm), build_plan(1, out, sched.bm)
+    assert first == again and len(first.new_seqs) == 1
+    assert not a.known_to_data_plane and a.num_tokens_sent == 0
+    sched.commit(out)
+    assert a.known_to_data_plane and a.num_tokens_sent == 6
+    sched.on_step_done(out)
+    a.token_ids.append(7)
+    plan = build_plan(2, sched.schedule(), sched.bm)
+    assert not plan.new_seqs and [(c.seq_id, c.num_new_tokens) for c in plan.cached_seqs] == [(a.seq_id, 1)]
+
+
+def test_restart_on_a_larger_pool_renews_the_watermark():
+    sched = make_scheduler(num_blocks=64)
+    assert sched.watermark_blocks == 1
+    sched.restart(BlockManager(1000, 4))
+    assert sched.watermark_blocks == 10
