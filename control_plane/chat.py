@@ -83,7 +83,7 @@ def normalize_messages(messages) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", "messages",
-                                  "invalid_value")
+                                  "invalid_type")
         content = _text_of(m.get("content"), where)
         msg: dict = {"role": "system" if role == "developer" else role}
         if role == "assistant" and m.get("tool_calls"):
