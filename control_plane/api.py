@@ -10,13 +10,19 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control_plane import __version__
+from control_plane import __version__, chat, tools
 from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
+from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
 from control_plane.http_guard import BodyTimeout, read_body
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
+from control_plane.token_bytes import token_bytes
+from control_plane.echo import echo_only, prompt_text
+from control_plane.extension_params import apply_extensions, truncate_prompt_tokens
+from control_plane.structured import parse_constraint
+from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
 from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
 log = logging.getLogger("pagedserve.control_plane")
@@ -97,18 +103,8 @@ def _parse_prompts(engine: Engine, prompt) -> list[list[int]]:
 
 
 def _chat_prompt(engine: Engine, body: dict) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ValidationError("'messages' must be a non-empty list", "messages", "invalid_type")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                or not isinstance(m.get("content"), str):
-            raise ValidationError("each message needs a 'role' (system, user or assistant) and a string "
-                                  "'content'", "messages", "invalid_type")
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    messages = chat.normalize_messages(body.get("messages"))
+    return chat.render(engine.tokenizer, messages, body.get("tools"), chat.template_options(body))
 
 
 def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
@@ -125,8 +121,11 @@ def _logprobs_json(outputs: list[RequestOutput], tokenizer, chat: bool) -> dict 
     def text(tid):
         return tokenizer.decode([tid])
     if chat:
-        return {"content": [{"token": text(t.token_id), "logprob": t.logprob,
-                             "top_logprobs": [{"token": text(i), "logprob": lp} for i, lp in t.top_logprobs]}
+        def entry(tid, lp):
+            token = text(tid)
+            return {"token": token, "logprob": lp, "bytes": token_bytes(tokenizer, tid)}
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
                             for t in tokens]}
     return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [{text(i): lp for i, lp in t.top_logprobs} for t in tokens]}
@@ -136,6 +135,7 @@ class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name)
+        self._fingerprint = system_fingerprint(engine.config.model_name)
 
     def _start(self, prompts: list[list[int]], params: SamplingParams, timeout: float | None) -> list[Request]:
         request_id = uuid.uuid4().hex
@@ -155,15 +155,35 @@ class Api:
         try:
             body = await _read_json(request)
             check_fields(body, chat)
+            body = drop_nulls(body)   # an optional field sent as null means the same as leaving it out
             _check_model(engine, body)
             prompts = [_chat_prompt(engine, body)] if chat else _parse_prompts(engine, body.get("prompt"))
-            params = parse_sampling(body, default_max_tokens=engine.hs.max_model_len if chat else 16,
+            score_only = not chat and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
+            params = parse_sampling({**body, "max_tokens": 1} if score_only else body,
+                                    default_max_tokens=engine.hs.max_model_len if chat else 16,
                                     max_n=engine.config.max_n, chat=chat)
+            apply_extensions(body, params, engine.tokenizer, engine.hs.vocab_size)
+            tool_mode = tools.parse_tool_choice(body) if chat else None
+            params.constraint = tools.forced_constraint(tool_mode) or parse_constraint(body)
+            if params.constraint is not None and params.use_beam_search:
+                raise ValidationError("structured output is not available with beam search", "use_beam_search",
+                                      "unsupported")
+            keep = truncate_prompt_tokens(body)
+            if keep is not None:
+                prompts = [ids[-keep:] for ids in prompts]
+            echo = not chat and flag(body, "echo")
+            if echo and params.logprobs is not None:
+                raise ValidationError("'echo' with 'logprobs' needs the prompt's log-probs, which this server does "
+                                      "not compute yet; send echo without logprobs", "echo", "unsupported_parameter")
+            if score_only and not echo:
+                raise ValidationError("'max_tokens' 0 generates nothing: it is for scoring a prompt with echo",
+                                      "max_tokens")
             timeout = parse_timeout(body, engine.config.request_timeout)
             if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
                 params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
                 params.max_tokens = min(params.max_tokens, engine.pool_capacity_tokens - len(prompts[0]))
             stream = flag(body, "stream")
+            usage_mode = stream_usage(body) if stream else None
             if stream and (params.use_beam_search or params.best_of > params.n):
                 raise ValidationError("streaming is not available with beam search or best_of > n: the "
                                       "returned choices are known only at the end", "stream", "unsupported")
@@ -179,22 +199,29 @@ class Api:
             if engine.num_waiting() + len(prompts) > engine.config.max_waiting:
                 return unavailable(f"the server is overloaded: {engine.num_waiting()} requests are "
                                    "waiting already", code="overloaded")
-            requests = self._start(prompts, params, timeout)
+            if score_only:
+                for ids in prompts:
+                    engine.validate_request(ids, params)
+            else:
+                requests = self._start(prompts, params, timeout)
         except ValidationError as exc:
             return _validation_response(exc)
+        if score_only:
+            return web.json_response(echo_only(prompts, engine.tokenizer, engine.config.model_name, return_ids))
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": engine.config.model_name}
+                "model": engine.config.model_name, "system_fingerprint": self._fingerprint}
         try:
             if stream:
-                return await self._stream(request, requests, meta, chat, return_ids)
-            return await self._collect(requests, meta, chat, return_ids)
+                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, echo, tool_mode)
+            return await self._collect(requests, meta, chat, return_ids, echo, tool_mode)
         finally:
             for r in requests:
                 if not r.finished:
                     log.debug("request %s ended before it finished (the client went away); aborted", r.request_id)
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
-    async def _collect(self, requests: list[Request], meta, chat, return_ids) -> web.Response:
+    async def _collect(self, requests: list[Request], meta, chat, return_ids, echo=False,
+                       tool_mode=None) -> web.Response:
         async def drain(req: Request) -> dict[int, list[RequestOutput]]:
             by_index: dict[int, list[RequestOutput]] = {}
             async for out in req:
@@ -224,16 +251,24 @@ class Api:
                           "logprobs": _logprobs_json(outputs, self.engine.tokenizer, chat)}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
+                    if tool_mode is not None:
+                        content, calls = tools.parse_output(tool_mode, text)
+                        choice["message"]["content"] = content
+                        if calls:
+                            choice["message"]["tool_calls"] = calls
+                            choice["finish_reason"] = "tool_calls"
                 else:
-                    choice["text"] = text
+                    choice["text"] = (prompt_text(requests[prompt_index], self.engine.tokenizer) if echo else "") + text
                 if return_ids:
                     choice["token_ids"] = [t for o in outputs for t in o.token_ids]
                 choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
         return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(requests, finals)})
 
-    async def _stream(self, request, requests: list[Request], meta, chat, return_ids) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
+                      usage_mode: StreamUsage, echo: bool = False, tool_mode=None) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           REQUEST_ID_HEADER: request[REQUEST_ID_KEY]})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = requests[0].params.n
@@ -248,7 +283,14 @@ class Api:
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
         finals: dict[int, RequestOutput] = {}
 
+        generated = [0]   # completion tokens streamed so far, for continuous usage stats
+        held: dict[int, str] = {}   # with tools: each choice's text until it finishes
+
         async def send(payload):
+            if usage_mode.continuous and payload["choices"]:
+                prompt = sum(len(r.prompt_ids) for r in requests)
+                payload["usage"] = {"prompt_tokens": prompt, "completion_tokens": generated[0],
+                                    "total_tokens": prompt + generated[0]}
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
         try:
@@ -257,6 +299,11 @@ class Api:
                 for i in range(num_choices):
                     await send({**meta, "object": obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            elif echo:   # the prompt comes first, once per choice
+                for i in range(num_choices):
+                    await send({**meta, "object": obj, "choices": [
+                        {"index": i, "text": prompt_text(requests[i // n], self.engine.tokenizer),
+                         "finish_reason": None, "logprobs": None}]})
             num_ended = 0
             while len(finals) < num_choices and num_ended < len(requests):
                 index, out = await merged.get()
@@ -265,10 +312,21 @@ class Api:
                     continue
                 if out.finished:
                     finals[index] = out
+                generated[0] += len(out.token_ids)
                 choice = {"index": index, "finish_reason": out.finish_reason,
                           "logprobs": _logprobs_json([out], self.engine.tokenizer, chat)}
                 if chat:
                     choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
+                    if tool_mode is not None:
+                        # tool calls are known only when the text is whole: held back, then sent as one delta
+                        held[index] = held.get(index, "") + out.text
+                        if not out.finished:
+                            continue
+                        content, calls = tools.parse_output(tool_mode, held[index])
+                        choice["delta"] = {"content": content} if content else {}
+                        if calls:
+                            choice["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                            choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = out.text
                 if return_ids:
@@ -283,18 +341,13 @@ class Api:
                     await send({**meta, "object": obj, "choices": [
                         {"index": index, "finish_reason": req.end_reason, "logprobs": None,
                          **({"delta": {}} if chat else {"text": ""})}]})
-            await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
+            if usage_mode.final:
+                await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
             await resp.write(b"data: [DONE]\n\n")
         finally:
             for t in tasks:
                 t.cancel()
         return resp
-
-    async def models(self, request: web.Request) -> web.Response:
-        e = self.engine
-        return web.json_response({"object": "list", "data": [{
-            "id": e.config.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
-            "max_model_len": e.hs.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.draining:
@@ -331,6 +384,8 @@ async def json_errors(request: web.Request, handler):
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
         return error_response(413, f"the body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large")
+    except web.HTTPNotFound:
+        return not_found(request)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error_response(exc.status, exc.reason, code=str(exc.status))
@@ -351,14 +406,14 @@ async def json_errors(request: web.Request, handler):
 
 def make_app(engine: Engine) -> web.Application:
     api = Api(engine)
-    middlewares = [json_errors]
+    middlewares = [request_ids, json_errors]
     if engine.config.api_key:
         middlewares.append(require_api_key(engine.config.api_key))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
-    app.router.add_get("/v1/models", api.models)
+    ModelEndpoints(engine, _read_json).add_routes(app)
     app.router.add_get("/health", api.health)
     app.router.add_get("/version", api.version)
     app.router.add_get("/metrics", api.metrics)

@@ -13,6 +13,8 @@ Anything else is 400 with code `unknown_field`.
 """
 from __future__ import annotations
 
+from control_plane.extension_fields import (CHAT_EXTENSIONS, COMPLETION_EXTENSIONS, MESSAGE_PROPERTIES,
+                                            STREAM_OPTIONS)
 from control_plane.sampling_params import (INT32_MAX, MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
                                           MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY,
                                           ValidationError)
@@ -95,12 +97,12 @@ def completion_schema(max_n: int = 16) -> dict:
         "logprobs": _int("log-probabilities of the chosen token and this many alternatives", 0, MAX_LOGPROBS),
     }
     props.update(IGNORED_PROPERTIES)
+    props.update(COMPLETION_EXTENSIONS)
     return {"type": "object", "required": ["prompt"], "properties": props, "additionalProperties": False}
 
 
-MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
-           "properties": {"role": {"enum": ["system", "user", "assistant"]}, "content": {"type": "string"},
-                          "name": {"type": "string", "description": "accepted and ignored"}}}
+MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False,
+           "properties": MESSAGE_PROPERTIES}
 
 
 def chat_schema(max_n: int = 16) -> dict:
@@ -112,14 +114,14 @@ def chat_schema(max_n: int = 16) -> dict:
         "top_logprobs": _int("alternatives per token, with logprobs: true", 0, MAX_LOGPROBS),
     }
     props.update(IGNORED_PROPERTIES)
+    props.update(CHAT_EXTENSIONS)
     return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False}
 
 
 # OpenAI fields that cannot change the answer: accepted and ignored (usage is always in the stream)
 IGNORED_PROPERTIES = {
     "user": {"type": ["string", "null"], "description": "accepted and ignored"},
-    "stream_options": {"type": ["object", "null"], "description": "accepted; usage is always streamed",
-                       "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": STREAM_OPTIONS,
     "metadata": {"type": ["object", "null"], "description": "accepted and ignored"},
     "store": {"type": ["boolean", "null"], "description": "accepted and ignored"},
     "service_tier": {"type": ["string", "null"], "description": "accepted and ignored"},
@@ -128,10 +130,10 @@ IGNORED_PROPERTIES = {
 _JSON_TYPES = {"string": str, "object": dict, "boolean": bool, "null": type(None)}
 
 # OpenAI fields we do not implement: accepted only with one of these neutral values
-UNSUPPORTED_COMPLETION = {"echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {})}
+UNSUPPORTED_COMPLETION = {"suffix": (None, "")}
 UNSUPPORTED_CHAT = {
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "functions": (None, []),
+    "function_call": (None, "none"), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
     "verbosity": (None,),
 }
@@ -164,7 +166,7 @@ def check_fields(body: dict, chat: bool) -> None:
             extra = sorted(set(message) - set(MESSAGE["properties"])) if isinstance(message, dict) else []
             if extra:
                 raise ValidationError(f"messages[{i}] has unknown field(s) {', '.join(map(repr, extra))}; a "
-                                      "message takes 'role', 'content' and optionally 'name'", "messages",
+                                      f"message takes {', '.join(map(repr, MESSAGE['properties']))}", "messages",
                                       "unknown_field")
 
 

@@ -19,6 +19,7 @@ from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request
 from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
 from control_plane.scheduler import Scheduler, SchedulerLoad
+from control_plane.structured import GrammarBackend, Matchers
 from control_plane.sequence import Sequence
 from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
@@ -110,9 +111,11 @@ class Engine:
     def check_length(self, num_prompt_tokens: int, max_tokens: int, width: int = 1) -> None:
         limit = self.hs.max_model_len
         if num_prompt_tokens + max_tokens > limit:
+            # OpenAI's wording: clients (litellm, LangChain) recognise the context error by it
             raise ValidationError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
-                f"context of {limit} tokens; shorten the prompt or lower max_tokens", "max_tokens",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.", "messages",
                 "context_length_exceeded")
         bs = self.hs.block_size
         needed = num_prompt_tokens + max_tokens
@@ -134,6 +137,14 @@ class Engine:
                                   "prompt", "invalid_token_id")
         check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
         self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
+        if params.constraint is not None:
+            self._grammar_matchers().backend.compile(params.constraint)   # a bad grammar is a 400 here
+
+    def _grammar_matchers(self) -> Matchers:
+        """Structured output's matchers, made on the first constrained request (xgrammar loads then)."""
+        if self.outputs.matchers is None:
+            self.outputs.matchers = Matchers(GrammarBackend(self.tokenizer, self.hs.vocab_size, self.eos_token_ids))
+        return self.outputs.matchers
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
@@ -149,6 +160,9 @@ class Engine:
                                   frozenset(params.stop_ids(self.eos_token_ids)))
             req.beam.start(seq.seq_id)
         self.outputs.register(req, seq)
+        if params.constraint is not None:
+            m = self._grammar_matchers()
+            m.add(seq.seq_id, m.backend.compile(params.constraint))
         self.scheduler.add(seq)
         self.isolation.admitted(req)
         self.stats.on_arrival(len(prompt_ids))
@@ -243,6 +257,9 @@ class Engine:
             return
         self._step_id += 1
         plan = build_plan(self._step_id, out, self.scheduler.bm)
+        matchers = self.outputs.matchers
+        if matchers is not None and matchers.by_seq:
+            plan.token_masks = matchers.step_masks(out.scheduled)
         self.scheduler.commit(out)
         started = time.monotonic()
         result = await self.client.step(plan, self.config.step_timeout)

@@ -78,6 +78,14 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
                                                 "#/components/schemas/ChatCompletionRequest",
                                                 "#/components/schemas/ChatCompletion"),
             "/v1/models": {"get": {"summary": "the served model", "responses": {"200": _json("models", simple)}}},
+            "/v1/models/{model}": {"get": {"summary": "one model (404 for another name)", "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json("the model", simple), "404": _error("not served here")}}},
+            "/tokenize": {"post": {"summary": "vLLM's tokenize: {prompt} or {messages} -> {tokens, count, "
+                                              "max_model_len}", "responses": {"200": _json("", simple),
+                                                                             "400": _error("bad input")}}},
+            "/detokenize": {"post": {"summary": "vLLM's detokenize: {tokens} -> {prompt}",
+                                     "responses": {"200": _json("", simple), "400": _error("bad input")}}},
             "/health": {"get": {"summary": "200 when requests can be served", "responses": {
                 "200": _json("ok", simple), "503": _json("data plane down, or shutting down", simple)}}},
             "/version": {"get": {"summary": "version, device, pool sizes", "responses": {"200": _json("", simple)}}},

@@ -6,12 +6,16 @@ queue a new one, or end one (which frees its blocks and tells the data plane to 
 """
 from __future__ import annotations
 
+import logging
+
 from collections import defaultdict
 
 from control_plane.request import Request, RequestOutput
 from control_plane.scheduler import Scheduler
 from control_plane.sequence import Sequence, SeqStatus
 from shared.protocol import SampledToken
+
+log = logging.getLogger("pagedserve.control_plane")
 
 
 class OutputProcessor:
@@ -22,6 +26,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len      # the engine updates it when a new data plane answers
         self.owners: dict[int, Request] = {}    # live sequence id -> its request
+        self.matchers = None                     # structured output (control_plane.structured.Matchers)
 
     def register(self, req: Request, seq: Sequence) -> None:
         req.add_seq(seq)
@@ -52,6 +57,8 @@ class OutputProcessor:
                                  req.params.spec(self.eos_token_ids, draw=j), sample_index=j,
                                  arrival_time=seq.arrival_time)
                 self.register(req, child)
+                if self.matchers is not None:
+                    self.matchers.fork(seq.seq_id, child.seq_id, child.output_token_ids)
                 self.scheduler.fork(seq, child)
                 self._on_token(req, child, draw)
             self._on_token(req, seq, seq_draws[0])
@@ -61,6 +68,8 @@ class OutputProcessor:
     def _on_token(self, req: Request, seq: Sequence, sampled: SampledToken) -> None:
         params = req.params
         first = seq.num_output_tokens == 0
+        if self.matchers is not None and not self.matchers.accept(seq.seq_id, sampled.token_id):
+            log.error("sequence %d sampled token %d outside its grammar", seq.seq_id, sampled.token_id)
         seq.token_ids.append(sampled.token_id)
         seq.cumulative_logprob += sampled.logprob
         self.stats.on_token(seq, first and seq.sample_index == 0)   # one first token per request
@@ -136,6 +145,8 @@ class OutputProcessor:
     def end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
         self.owners.pop(seq.seq_id, None)
+        if self.matchers is not None:
+            self.matchers.drop(seq.seq_id)
         self.stats.on_seq_end(seq)
         if error is not None or (reason in ("abort", "timeout") and not req.buffered):
             detok = req.detoks.get(seq.sample_index)

@@ -49,7 +49,9 @@ class Request:
     def add_seq(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         if self.beam is None and seq.sample_index not in self.detoks:
-            self.detoks[seq.sample_index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params.stop)
+            self.detoks[seq.sample_index] = IncrementalDetokenizer(
+                self.tokenizer, self.prompt_ids, self.params.stop, self.params.include_stop_str_in_output,
+                self.params.skip_special_tokens)
 
     def live_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs.values() if not s.is_finished]

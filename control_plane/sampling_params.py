@@ -55,6 +55,13 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam scores are divided by (generated length ** length_penalty)
     early_stopping: bool | str = False  # beam search: True, False or "never", as in transformers
     priority: int = 0            # lower runs first and is preempted last (as in vLLM)
+    # logits adjustments and text options (control_plane.extension_params parses them)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    constraint: object = None    # structured output: a control_plane.structured.Constraint, or None
 
     def __post_init__(self):
         self.best_of = max(self.best_of, self.n)
@@ -77,7 +84,8 @@ class SamplingParams:
         first_draws = self.best_of if draw == 0 else 1
         return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, draw_seed(self.seed, draw),
                             self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                            self.min_tokens, stop_ids, self.logprobs or 0, first_draws, 0)
+                            self.min_tokens, stop_ids, self.logprobs or 0, first_draws, 0,
+                            list(self.logit_bias), list(self.allowed_token_ids), list(self.bad_words_ids))
 
 
 def check_for_model(params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> None:

@@ -176,7 +176,8 @@ class ModelRunner:
             self._check_blocks(src + dst)
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
         t1 = time.perf_counter()
-        sampled, num_tokens = self._forward_and_sample(scheduled) if scheduled else ([], 0)
+        masks = dict(plan.token_masks)
+        sampled, num_tokens = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0)
         t2 = time.perf_counter()
         return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0)
 
@@ -218,7 +219,7 @@ class ModelRunner:
         return ctx, ids, pos, sample_rows
 
     @torch.inference_mode()
-    def _forward_and_sample(self, scheduled):
+    def _forward_and_sample(self, scheduled, masks: dict[int, bytes] | None = None):
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
         with attention.use_step_context(ctx):
             hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
@@ -234,7 +235,8 @@ class ModelRunner:
             first = len(st.token_ids) == st.num_prompt_tokens
             sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
                                                    st.token_ids[st.num_prompt_tokens:],
-                                                   st.sampling.n if first else 1))
+                                                   st.sampling.n if first else 1,
+                                                   (masks or {}).get(seq_id)))
         result = []
         for (seq_id, _), draws in zip(sample_rows, self.sample(logits, sample_inputs)):
             st = self.seqs[seq_id]

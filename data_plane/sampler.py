@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.protocol import SamplingSpec, draw_seed
@@ -23,6 +24,7 @@ class SampleRow:
     prompt_ids: list[int]     # for the repetition penalty
     output_ids: list[int]     # tokens generated so far (penalties, min_tokens, seed stream)
     num_draws: int = 1        # > 1 for the first token of a parallel-sampling request
+    token_mask: bytes | None = None   # structured output: a packed bitmask of the allowed tokens
 
 
 @dataclass
@@ -53,6 +55,27 @@ def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     if len(row.output_ids) < spec.min_tokens and spec.stop_token_ids:
         banned = [t for t in spec.stop_token_ids if 0 <= t < logits.shape[0]]
         logits[banned] = float("-inf")
+    if spec.adjusts_logits:
+        logits = apply_logit_adjustments(logits, row)
+    return logits
+
+
+def apply_logit_adjustments(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """logit_bias, allowed_token_ids and bad_words of one row (the control plane checked the ids)."""
+    spec = row.spec
+    if spec.logit_bias:
+        ids = torch.tensor([int(t) for t, _ in spec.logit_bias], dtype=torch.long, device=logits.device)
+        logits.index_add_(0, ids, torch.tensor([float(b) for _, b in spec.logit_bias], dtype=logits.dtype,
+                                               device=logits.device))
+    if spec.allowed_token_ids:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[torch.tensor(spec.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    for word in spec.bad_words_ids:
+        # the word's last token is banned only where the output already ends with the rest of it
+        head = list(word[:-1])
+        if not head or row.output_ids[-len(head):] == head:
+            logits[word[-1]] = float("-inf")
     return logits
 
 
@@ -82,11 +105,29 @@ def _draw(probs: torch.Tensor, seed: int | None, index: int) -> int:
     return int(torch.argmax(probs / noise))
 
 
+def apply_token_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Structured output: tokens outside a row's allowed set get -inf, before anything else, so that
+    penalties, temperature and the reported log-probs all see the constrained distribution. The mask is
+    little-endian bits (bit j of byte k: token 8k + j), the layout of xgrammar's int32 bitmask."""
+    masked = [i for i, r in enumerate(rows) if r.token_mask is not None]
+    if not masked:
+        return
+    vocab = logits.shape[1]
+    packed = np.stack([np.frombuffer(rows[i].token_mask, dtype=np.uint8) for i in masked])
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab]
+    if bits.shape[1] < vocab:   # the model's vocab is padded past the tokenizer's: pad tokens are not allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    allowed = torch.from_numpy(bits.astype(bool)).to(logits.device)
+    index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutput]]:
     """logits: [rows, vocab] in any float dtype; one SampleRow per logits row; per row, its draws."""
     logits = logits.float()
     needs_processing = [r.spec.repetition_penalty != 1.0 or r.spec.presence_penalty or r.spec.frequency_penalty
-                        or len(r.output_ids) < r.spec.min_tokens for r in rows]
+                        or len(r.output_ids) < r.spec.min_tokens or r.spec.adjusts_logits for r in rows]
+    apply_token_masks(logits, rows)
     for i, row in enumerate(rows):
         if needs_processing[i]:
             logits[i] = apply_penalties(logits[i].clone(), row)
@@ -105,7 +146,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutpu
             logprobs = (logits[i, tokens] - lse[i]).tolist()
         top: list[tuple[int, float]] = []
         if spec.logprobs > 0:
-            values, ids = torch.topk(torch.log_softmax(logits[i], dim=-1), spec.logprobs)
+            # the chosen token's log-prob from the same log_softmax as the alternatives: a token that is
+            # both reports one number (the lse route differs from it in the last float bits)
+            row_logprobs = torch.log_softmax(logits[i], dim=-1)
+            values, ids = torch.topk(row_logprobs, spec.logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
+            logprobs = row_logprobs[tokens].tolist()
         outputs.append([SampleOutput(t, lp, top) for t, lp in zip(tokens, logprobs)])
     return outputs

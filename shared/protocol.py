@@ -140,19 +140,34 @@ class SamplingSpec:
     logprobs: int = 0                 # how many top log-probabilities to return per token (0: none)
     n: int = 1                        # draws for the first output token (parallel sampling forks after it)
     beam_width: int = 0               # > 0: a beam; the control plane picks and sends each next token
+    # per-sequence logits adjustments (OpenAI's logit_bias, vLLM's allowed_token_ids and bad_words)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)   # (token id, added to its logit)
+    allowed_token_ids: list[int] = field(default_factory=list)          # non-empty: only these
+    bad_words_ids: list[list[int]] = field(default_factory=list)        # last token banned after the rest
 
     def to_wire(self) -> list:
-        return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.presence_penalty,
-                self.frequency_penalty, self.repetition_penalty, self.min_tokens,
-                list(self.stop_token_ids), self.logprobs, self.n, self.beam_width]
+        # the three logits adjustments are optional trailing fields: absent on the wire while unused
+        return _trim([self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.presence_penalty,
+                      self.frequency_penalty, self.repetition_penalty, self.min_tokens,
+                      list(self.stop_token_ids), self.logprobs, self.n, self.beam_width,
+                      [list(b) for b in self.logit_bias], list(self.allowed_token_ids),
+                      [list(w) for w in self.bad_words_ids]], 3)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_ids)
 
     @classmethod
     def from_wire(cls, body: list) -> "SamplingSpec":
+        b = _list(body)
+        if not 13 <= len(b) <= 16:
+            raise ProtocolError(f"a sampling spec has 13 to 16 fields, got {len(b)}")
         (temperature, top_k, top_p, min_p, seed, presence, frequency, repetition, min_tokens, stop_ids,
-         logprobs, n, beam_width) = _list(body, 13)
+         logprobs, n, beam_width, bias, allowed, bad) = b + [[]] * (16 - len(b))
         return cls(_float(temperature), _int(top_k), _float(top_p), _float(min_p), _opt_int(seed), _float(presence),
                    _float(frequency), _float(repetition), _int(min_tokens), _ints(stop_ids), _int(logprobs), _int(n),
-                   _int(beam_width))
+                   _int(beam_width), [(_int(t), _float(v)) for t, v in (_list(p, 2) for p in _list(bias))],
+                   _ints(allowed), [_ints(w) for w in _list(bad)])
 
 
 def _trim(fields: list, num_optional: int) -> list:
@@ -224,17 +239,31 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # (src device block, dst device block)
+    # Structured output: (seq_id, packed bitmask of the tokens it may sample this step), only for
+    # constrained sequences that sample this step; little-endian bits, ceil(vocab / 32) * 4 bytes.
+    # Optional at the end of the wire list: absent while no sequence is constrained.
+    token_masks: list[tuple[int, bytes]] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return [self.step_id, [s.to_wire() for s in self.new_seqs], [s.to_wire() for s in self.cached_seqs],
-                self.forget_seq_ids, self.swap_out, self.swap_in, self.copies]
+        return _trim([self.step_id, [s.to_wire() for s in self.new_seqs], [s.to_wire() for s in self.cached_seqs],
+                      self.forget_seq_ids, self.swap_out, self.swap_in, self.copies,
+                      [[i, m] for i, m in self.token_masks]], 1)
 
     @classmethod
     def from_wire(cls, body: list) -> "StepPlan":
-        step_id, new, cached, forget, swap_out, swap_in, copies = _list(body, 7)
+        b = _list(body)
+        if len(b) not in (7, 8):
+            raise ProtocolError(f"a step plan has 7 or 8 fields, got {len(b)}")
+        step_id, new, cached, forget, swap_out, swap_in, copies = b[:7]
+        masks = []
+        for item in (_list(b[7]) if len(b) == 8 else []):
+            seq_id, mask = _list(item, 2)
+            if not isinstance(mask, bytes):
+                raise ProtocolError("a token mask must be bytes")
+            masks.append((_int(seq_id), mask))
         return cls(_int(step_id), [NewSequence.from_wire(s) for s in _list(new)],
                    [CachedSequence.from_wire(s) for s in _list(cached)], _ints(forget), _int_tuples(swap_out, 2),
-                   _int_tuples(swap_in, 2), _int_tuples(copies, 2))
+                   _int_tuples(swap_in, 2), _int_tuples(copies, 2), masks)
 
 
 def draw_seed(seed: int | None, draw: int) -> int | None:

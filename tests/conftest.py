@@ -36,3 +36,23 @@ def tiny_model_dir(tmp_path_factory, smollm_path):
     tok_dir, gguf = os.path.split(smollm_path)
     AutoTokenizer.from_pretrained(tok_dir, gguf_file=gguf).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smollm_path):
+    """SmolLM2's tokenizer (its chat template prints only roles and contents: no tools)."""
+    from transformers import AutoTokenizer
+    folder, name = os.path.split(smollm_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def api_server(smol_tokenizer):
+    """The REST API in this process over a tiny random model with SmolLM2's tokenizer (see
+    tests/inproc_server.py): real clients, no second process."""
+    from tests.inproc_server import InProcessServer
+    server = InProcessServer(smol_tokenizer).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -31,7 +31,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "max_tokns": 5}, None, "unknown_field"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions_x": []}, None,
      "unknown_field"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"50": 5}}, None, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, None, "unsupported_parameter"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, None, "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "timeout": 0}, None, "invalid_value"),
     ("/v1/completions", None, b'{"prompt": "hi", "temperature": NaN}', "invalid_json"),

@@ -56,7 +56,7 @@ def valid_body(rng: random.Random) -> tuple[str, dict]:
 INVALID = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokns": 5}'),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),
-    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"1": 5}}'),
+    ("/v1/completions", b'{"prompt": "hi", "suffix": "end"}'),
     ("/v1/completions", b'{"prompt": "hi", "n": 99}'),
     ("/v1/completions", b'{"prompt": [1, 2, 99999999]}'),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}'),
