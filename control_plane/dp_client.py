@@ -1,4 +1,6 @@
-"""The control plane's end of the ZeroMQ link: a DEALER socket, one request in flight at a time."""
+"""The control plane's end of the ZeroMQ link: a DEALER socket. Requests are answered in the order
+sent; step plans may be sent ahead of their results (the data plane queues them) and each result
+is matched to its plan by step id."""
 from __future__ import annotations
 
 import logging
@@ -41,6 +43,9 @@ class DataPlaneClient:
 
     async def _request(self, kind: str, message, expect: str, timeout: float):
         await self.sock.send(P.encode(kind, message))
+        return await self._receive(expect, timeout)
+
+    async def _receive(self, expect: str, timeout: float):
         deadline = time.monotonic() + timeout
         while True:
             # wait in short slices, so that a data-plane process seen dead ends the wait at once
@@ -64,11 +69,19 @@ class DataPlaneClient:
         return await self._request(P.HELLO, None, P.HANDSHAKE, timeout)
 
     async def step(self, plan: P.StepPlan, timeout: float) -> P.StepResult:
+        await self.send_plan(plan)
+        return await self.result_of(plan.step_id, timeout)
+
+    async def send_plan(self, plan: P.StepPlan) -> None:
+        await self.sock.send(P.encode(P.STEP_PLAN, plan))
+
+    async def result_of(self, step_id: int, timeout: float) -> P.StepResult:
+        """The result of the plan `step_id`; results of earlier plans (left by a timeout) are dropped."""
         while True:
-            result = await self._request(P.STEP_PLAN, plan, P.STEP_RESULT, timeout)
-            if result.step_id == plan.step_id:
+            result = await self._receive(P.STEP_RESULT, timeout)
+            if result.step_id == step_id:
                 return result
-            log.warning("dropped a stale result of step %d", result.step_id)
+            log.warning("dropped the result of step %d while waiting for step %d", result.step_id, step_id)
 
     async def ping(self, timeout: float) -> None:
         await self._request(P.PING, None, P.PONG, timeout)
