@@ -1,26 +1,35 @@
-"""Helpers shared by the benchmarks: the machine line, the request trace, a served pagedserve
-subprocess, the transformers model, percentiles and a progress line on stderr.
+"""What every benchmark shares: the request traces, the progress line on stderr, a served pagedserve
+subprocess (tests/servers.py's Server, which the end-to-end tests use too), the machine line,
+statistics and tables, and the transformers model the anchors run.
+
+Two kinds of trace:
+- make_trace: lengths for the HTTP benchmarks (WORKLOADS, log-normal around a median), all
+  submitted at once or with arrivals the caller draws;
+- synthetic_trace: the memory benchmarks' Alpaca-like and ShareGPT-like traces (log-normal around
+  the paper's means) with Poisson arrivals counted in engine steps (bench/_fake_engine.py plays them).
 
 The benchmarks are run as scripts (`python bench/x.py`), so they put the repository root on
 sys.path themselves; this module is imported as `_common` from the bench folder.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from tests.servers import Server  # noqa: E402
+
+SERVER_STARTUP_TIMEOUT = 600.0    # a bench server may load its model beside transformers on a busy CPU
 
 # Token ids below this are SmolLM2's special and byte-level tokens; random prompts skip them so
 # that they look like ordinary text to the model.
@@ -42,7 +51,8 @@ OUTPUT_RANGE = (16, 128)
 @dataclass
 class TraceRequest:
     prompt_ids: list[int]
-    output_len: int
+    output_len: int          # tokens to generate (the fake data plane: the final EOS included)
+    arrival_step: int = 0    # synthetic_trace: the engine step it arrives at
 
 
 def make_trace(num_requests: int, seed: int, vocab_size: int, workload: str = "mixed",
@@ -62,6 +72,51 @@ def make_trace(num_requests: int, seed: int, vocab_size: int, workload: str = "m
 
 def _clip(x: float, bounds) -> int:
     return int(min(max(round(x), bounds[0]), bounds[1]))
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A synthetic_trace workload: log-normal prompt and output lengths with these means, clipped."""
+    name: str
+    prompt_mean: float
+    prompt_sigma: float
+    prompt_clip: tuple[int, int]
+    output_mean: float
+    output_sigma: float
+    output_clip: tuple[int, int]   # the upper clip doubles as the requests' max_tokens
+
+    def describe(self) -> str:
+        return (f"{self.name}: prompt ~ lognormal(mean {self.prompt_mean}, sigma {self.prompt_sigma}) clipped "
+                f"{list(self.prompt_clip)}, output ~ lognormal(mean {self.output_mean}, sigma {self.output_sigma}) "
+                f"clipped {list(self.output_clip)}")
+
+
+# the vLLM paper's mean lengths: Alpaca 19.31 / 58.45 tokens, ShareGPT 161.31 / 337.99
+ALPACA = Lengths("Alpaca-like", 19.31, 0.6, (4, 128), 58.45, 0.8, (8, 256))
+SHAREGPT = Lengths("ShareGPT-like", 161.31, 1.0, (4, 1024), 337.99, 0.8, (8, 1024))
+FIRST_SYNTHETIC_TOKEN = 3           # 0 pad, 1 bos, 2 eos are never drawn as ordinary tokens
+
+
+def _lognormal(rng: random.Random, mean: float, sigma: float, clip: tuple[int, int]) -> int:
+    mu = math.log(mean) - sigma * sigma / 2          # so that E[X] = mean before clipping
+    return min(max(round(rng.lognormvariate(mu, sigma)), clip[0]), clip[1])
+
+
+def synthetic_trace(num_requests: int, seed: int, rate: float = 0.0, vocab_size: int = 49152,
+                    prefix: list[int] | None = None, lengths: Lengths = ALPACA) -> list[TraceRequest]:
+    """Seeded; token ids uniform over the vocabulary; arrivals Poisson with `rate` requests per engine
+    step (0: all at step 0); `prefix`: tokens put before every prompt (a shared system prompt)."""
+    lz = lengths
+    rng = random.Random(seed)
+    trace, clock = [], 0.0
+    for _ in range(num_requests):
+        if rate > 0:
+            clock += rng.expovariate(rate)
+        prompt = [rng.randrange(FIRST_SYNTHETIC_TOKEN, vocab_size)
+                  for _ in range(_lognormal(rng, lz.prompt_mean, lz.prompt_sigma, lz.prompt_clip))]
+        trace.append(TraceRequest(list(prefix or []) + prompt,
+                                  _lognormal(rng, lz.output_mean, lz.output_sigma, lz.output_clip), int(clock)))
+    return trace
 
 
 def describe_trace(trace: list[TraceRequest]) -> str:
@@ -149,58 +204,35 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def mean(values: list[float]) -> float:
+def mean(values) -> float:
+    values = list(values)
     return sum(values) / len(values) if values else float("nan")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
 
 
-class ServerProcess:
-    """`python -m control_plane.cli serve` on a free port, logging to a temporary file."""
+@dataclass
+class Table:
+    """A plain text table, printed with aligned columns."""
+    header: list[str]
+    rows: list[list[str]] = field(default_factory=list)
 
-    def __init__(self, num_threads: int, extra_args: list[str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        fd, self.log_path = tempfile.mkstemp(prefix="pagedserve-bench-", suffix=".log")
-        self._log = os.fdopen(fd, "w")
-        # the data plane's metrics port is turned off: a fixed port would clash with other servers
-        cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port),
-               "--num-threads", str(num_threads), "--data-plane-metrics-port", "0", *(extra_args or [])]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    def add(self, *cells) -> None:
+        self.rows.append([str(c) for c in cells])
 
-    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready in {timeout:.0f}s:\n{self.log_tail()}")
+    def render(self) -> str:
+        widths = [max(len(r[i]) for r in [self.header] + self.rows) for i in range(len(self.header))]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()   # noqa: E731
+        return "\n".join([line(self.header), line(["-" * w for w in widths])] + [line(r) for r in self.rows])
 
-    def log_tail(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-4000:]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        os.unlink(self.log_path)   # its tail was already shown if the server failed
+def start_server(num_threads: int, extra_args: list[str] | None = None) -> Server:
+    """`pagedserve serve` on a free port with `num_threads` data-plane threads, logging to a temporary
+    file (server.log() shows its tail); call wait_ready() on it, and stop() when done."""
+    return Server("bench", ["--num-threads", str(num_threads), *(extra_args or [])], log_interval=None,
+                  env={"TOKENIZERS_PARALLELISM": "false"}, startup_timeout=SERVER_STARTUP_TIMEOUT)
 
 
 async def complete_greedy(session, url, model, prompt, max_tokens) -> list[int]:
@@ -240,3 +272,17 @@ def load_hf_model(num_threads: int, attn_implementation: str = "sdpa", device=No
                                                  attn_implementation=attn_implementation)
     Timer.note("transformers model loaded")
     return model.to(device or bench_device()).eval()
+
+
+@contextlib.contextmanager
+def plain_linears(model):
+    """Within the block, the linear layers that ops/linear.py routed through the few-row kernel run
+    torch's own forward: the bare-model baseline."""
+    import torch
+    routed = {m: m.__dict__.pop("forward") for m in model.modules()
+              if type(m) is torch.nn.Linear and "forward" in m.__dict__}
+    try:
+        yield
+    finally:
+        for module, forward in routed.items():
+            module.forward = forward

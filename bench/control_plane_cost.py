@@ -4,7 +4,7 @@ hide behind the data plane's step at most.
     python bench/control_plane_cost.py                 # decode steps of 1, 8, 64, 128 sequences
     python bench/control_plane_cost.py --batches 64
 
-The real Engine drives bench/_trace.FakeDataPlane (same contract, no tensors). Each part is timed
+The real Engine drives bench/_fake_engine.FakeDataPlane (same contract, no tensors). Each part is timed
 in this process's CPU time (time.process_time), so that other processes on a shared machine do not
 count: schedule, build_plan + commit, msgpack (encode the plan, decode it, encode and decode a
 result of the same size, as the two ends of the link do), and applying the result (prefix caching,
@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _trace as T  # noqa: E402
+import _fake_engine as T  # noqa: E402
 
 from control_plane import engine as engine_mod  # noqa: E402
 from control_plane.sampling_params import SamplingParams  # noqa: E402
@@ -33,7 +33,7 @@ async def measure(batch: int, context: int, steps: int, tokenizer) -> dict[str, 
     engine = T.make_engine(dp, max_num_seqs=max(batch, 1), budget=max(512, batch), tokenizer=tokenizer)
     rng = random.Random(batch)
     for i in range(batch):
-        prompt = [rng.randrange(T.FIRST_TOKEN_ID, 49152) for _ in range(context)]
+        prompt = [rng.randrange(T.FIRST_SYNTHETIC_TOKEN, 49152) for _ in range(context)]
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
     parts = {"schedule": 0.0, "build+commit": 0.0, "msgpack": 0.0, "apply result": 0.0}
     sched, build, outputs = engine.scheduler.schedule, engine_mod.build_plan, engine.outputs.apply

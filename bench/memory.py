@@ -5,7 +5,7 @@ waste with paging against 60-80% in systems that reserve contiguous memory per r
     python bench/memory.py --quick    # small trace for CI
 
 Paging runs the REAL control plane (Engine, Scheduler, BlockManager, preemption included) with
-bench/_trace.py's fake data plane. Reservation cannot run on a paged engine, so it is simulated
+bench/_fake_engine.py's fake data plane. Reservation cannot run on a paged engine, so it is simulated
 on the same step model: a request is admitted only when its whole reservation fits, prefills its
 prompt in one step, then computes one token per step; same pool, same batch limits, same trace.
 
@@ -22,8 +22,8 @@ import time
 from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _trace import (ALPACA, ROOT, SHAREGPT, FakeDataPlane, Progress, Table, drive, make_engine, mean,  # noqa: E402
-                    observe_pool, pct, synthetic_trace)
+from _common import ALPACA, ROOT, SHAREGPT, Table, mean, pct, progress, progress_done, synthetic_trace  # noqa: E402
+from _fake_engine import FakeDataPlane, drive, make_engine, observe_pool  # noqa: E402
 
 from control_plane.sampling_params import SamplingParams  # noqa: E402
 
@@ -57,7 +57,6 @@ def reservation_run(trace, name: str, reserve, pool_slots: int) -> dict:
     reserved = clock = 0
     live_sum = reserved_sum = conc_sum = peak = steps = 0
     series = []
-    progress = Progress(name)
     while waiting or running:
         budget = BUDGET - len(running)            # each running request decodes one token
         live = sum(len(r[0].prompt_ids) + r[2] for r in running)
@@ -87,7 +86,8 @@ def reservation_run(trace, name: str, reserve, pool_slots: int) -> dict:
         for r in [r for r in running if r[2] >= r[0].output_len]:
             running.remove(r)
             reserved -= r[1]
-        progress.tick(f"step {steps}, {len(trace) - len(waiting) - len(running)}/{len(trace)} requests finished")
+        progress(f"[{name}] step {steps}, {len(trace) - len(waiting) - len(running)}/{len(trace)} requests finished")
+    progress_done()
     return dict(name=name, util=live_sum / reserved_sum, occupied=reserved_sum / steps / pool_slots, series=series,
                 conc=conc_sum / steps, peak=peak, steps=steps, preemptions=0)
 

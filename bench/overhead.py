@@ -272,7 +272,6 @@ class RunnerSteps:
 def measure_bare_and_runner(model, args, rng) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Bare and runner steps of each kind alternate, so that a change in machine load hits both alike."""
     from data_plane import attention
-    from ops.linear import plain_linears
     runner = RunnerSteps(model, args)
     bare, parts = {}, {}
     for label, num_seqs, _ in step_names(args):
@@ -284,7 +283,7 @@ def measure_bare_and_runner(model, args, rng) -> tuple[dict[str, list[float]], d
         times, totals = [], defaultdict(float)
         for k in range(args.warmup + args.steps):
             model.set_attn_implementation("sdpa")
-            with plain_linears(model):    # torch's own linear layers, not the runner's few-row kernel
+            with C.plain_linears(model):    # torch's own linear layers, not the runner's few-row kernel
                 t = bare_step()
             model.set_attn_implementation(attention.ATTENTION_NAME)
             p = runner_step()

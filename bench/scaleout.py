@@ -44,7 +44,7 @@ def make_tiny_model(folder: str) -> str:
     from transformers import AutoTokenizer
 
     from shared.config import default_model_path
-    from tests.factories import tiny_llama
+    from tests.helpers import tiny_llama
     tiny_llama(vocab_size=49152, hidden=256, heads=4, kv_heads=2, layers=2, max_pos=512).save_pretrained(folder)
     tok_dir, gguf = os.path.split(default_model_path())
     AutoTokenizer.from_pretrained(tok_dir, gguf_file=gguf).save_pretrained(folder)
@@ -93,7 +93,7 @@ def run_config(name: str, model: str, trace, args, tp: int = 1, dp: int = 1) -> 
              "--data-plane-metrics-port", str(metrics_port), "--kv-cache-blocks", "512",
              "--max-num-batched-tokens", "512"]
     C.progress(f"{name}: starting")
-    server = C.ServerProcess(args.num_threads, extra).wait_ready()
+    server = C.start_server(args.num_threads, extra).wait_ready()
     try:
         ports = [metrics_port + i for i in range(dp)]
         before = [_scrape(p) for p in ports]

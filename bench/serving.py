@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     server = None
     url = args.url
     if url is None:
-        server = C.ServerProcess(args.num_threads)
+        server = C.start_server(args.num_threads)
         url = server.url
     try:
         if server is not None:

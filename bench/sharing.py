@@ -5,7 +5,7 @@
     python bench/sharing.py --quick    # small trace for CI
 
 The control plane is the real one (Engine, Scheduler, BlockManager: fork, copy-on-write, prefix
-hashes); the data plane is bench/_trace.py's fake, except for time to first token, which runs a
+hashes); the data plane is bench/_fake_engine.py's fake, except for time to first token, which runs a
 tiny random Llama through the real ModelRunner in-process.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _trace import (ALPACA, ROOT, FakeDataPlane, Table, synthetic_trace,  # noqa: E402
-                    drive, make_engine, mean, observe_pool, pct)
+from _common import ALPACA, ROOT, Table, mean, pct, synthetic_trace  # noqa: E402
+from _fake_engine import FakeDataPlane, drive, make_engine, observe_pool  # noqa: E402
 
 from control_plane.sampling_params import SamplingParams  # noqa: E402
 
@@ -80,7 +80,7 @@ def ttft_runs(num_requests: int, rounds: int, args) -> dict:
     from data_plane import attention
     from data_plane.model_runner import ModelRunner
     from shared.config import DataPlaneConfig
-    from tests.factories import tiny_llama
+    from tests.helpers import tiny_llama
 
     class LocalClient:                    # the ZeroMQ client's place: plans go straight to the runner
         def __init__(self, runner):
@@ -208,7 +208,7 @@ def main() -> None:
         table.add("on" if caching else "off", f"{1000 * mean(ts):.1f} ms", f"{1000 * ts[len(ts) // 2]:.1f} ms",
                   pct(ttft["hit_rate"][caching]), len(ts))
     print(f"\nTime to first token: tiny random Llama ({ttft['num_params'] / 1e6:.1f} M parameters, "
-          f"tests/factories.py with {TTFT_MODEL}) through the real ModelRunner on CPU, float32, same "
+          f"tests/helpers.py with {TTFT_MODEL}) through the real ModelRunner on CPU, float32, same "
           f"system-prompt trace shape (4 output tokens, arrivals 0.5 per step); wall-clock, a loaded CPU adds noise:")
     print(table.render())
     speedup = mean(ttft["times"][False]) / max(1e-9, mean(ttft["times"][True]))

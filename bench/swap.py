@@ -223,7 +223,7 @@ def run_mode(args, mode: str, trace) -> dict:
              "--preemption-mode", mode]
     if args.model:
         extra += ["--model", args.model]
-    server = C.ServerProcess(args.num_threads, extra)
+    server = C.start_server(args.num_threads, extra)
     try:
         C.Timer.note(f"part 2: starting a server with --preemption-mode {mode}")
         server.wait_ready()
@@ -232,7 +232,7 @@ def run_mode(args, mode: str, trace) -> dict:
         elapsed, latencies, outputs = asyncio.run(_run_trace(server.url, trace, mode))
         after = scrape(server.url)
     except BaseException:
-        print(f"server log tail ({mode}):\n{server.log_tail()}", file=sys.stderr)
+        print(f"server log tail ({mode}):\n{server.log(4000)}", file=sys.stderr)
         raise
     finally:
         server.stop()

@@ -11,8 +11,15 @@ exactly its drawn number of tokens:
   (b) transformers' `generate` on static batches in trace order (left-padded; a batch runs until
       its longest request is done; only each request's own tokens count as output);
   (c) transformers' continuous batching (`init_continuous_batching`), with the same KV memory
-      (pagedserve's pool in tokens), step budget (512 tokens) and batch size (256) as (a).
-The trace is described in _common.WORKLOADS, clipped at --max-prompt-len / --max-output-len. Tokens of (a) are checked against (b) and (c).
+      (pagedserve's pool in tokens), step budget and batch size as (a);
+  (v) vLLM's CPU build (bench/vllm_setup.sh installs it in its own venv) through its OpenAI server,
+      both cores bound to the model, its other settings its defaults, the same 1 GiB of KV memory.
+      Skipped with a clear line when it is not installed.
+(a) runs at the server's defaults unless --max-num-seqs / --max-num-batched-tokens are given.
+Workloads: "mixed", "alpaca" and "sharegpt" are described in _common.WORKLOADS, clipped at
+--max-prompt-len / --max-output-len; "exp64" is the trace vLLM was first measured on here:
+prompts uniform over 8-96 tokens, outputs exponential with mean 64, at most 256.
+Tokens of (a) are checked against (b), (c) and (v).
 """
 from __future__ import annotations
 
@@ -27,22 +34,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 VOCAB_SIZE = 49152   # SmolLM2's: the trace is drawn before any model is loaded
-GOAL_VS_STATIC, GOAL_VS_HF_CB = 8.0, 3.0
+GOAL_VS_STATIC, GOAL_VS_HF_CB, GOAL_VS_VLLM = 8.0, 3.0, 1.2
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workload", default="mixed", choices=["mixed", *sorted(C.WORKLOADS)])
+    ap.add_argument("--workload", default="mixed", choices=["mixed", "exp64", *sorted(C.WORKLOADS)])
     ap.add_argument("--batch-size", type=int, default=32, help="static batch size of (b)")
     ap.add_argument("--num-threads", type=int, default=2, help="torch threads of every system")
-    ap.add_argument("--systems", default="abc", help="which of a, b, c to run")
+    ap.add_argument("--systems", default="abcv", help="which of a, b, c, v to run")
     ap.add_argument("--cb-page-size", type=int, default=256, help="(c)'s page size in tokens (its default)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="step budget of (a) and (c)")
-    # 256: the whole default trace in one batch. On 2 CPU cores (a) alone made 198 tok/s against 176 at
-    # the server's default of 128 (the tail of few-sequence steps is shorter); (c) gets the same.
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="batch size of (a) and (c)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="step budget of (a) and (c) (default: the server's)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="batch size of (a) and (c) (default: the server's)")
     # The other benches clip outputs at 128 tokens; here the long tail of ShareGPT-like outputs is
     # kept, since the cost of static batching (a batch lasts as long as its longest request) is
     # the tail. The log-normal shapes stay those of _common.WORKLOADS.
@@ -51,15 +57,31 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="pagedserve's KV pool, and so (c)'s cache (default: the server's, 1 GiB on CPU, "
                          "90%% of free memory on a GPU)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype in every system (tokens are compared only in float32)")
     ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
     args = ap.parse_args(argv)
     if args.quick:
         args.num_requests = 8
+    from shared.config import ControlPlaneConfig
+    args.server_flags = [x for name in ("max_num_seqs", "max_num_batched_tokens") if getattr(args, name) is not None
+                         for x in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    # (c) gets what (a) runs with: the given values, else the server's defaults
+    args.max_num_seqs = args.max_num_seqs or ControlPlaneConfig.max_num_seqs
+    args.max_num_batched_tokens = args.max_num_batched_tokens or ControlPlaneConfig.max_num_batched_tokens
     return args
 
 
+def exp64_trace(num_requests: int, seed: int) -> list:
+    """Prompts uniform over 8-96 tokens, outputs exponential with mean 64, clipped to 1-256."""
+    import random
+    rng = random.Random(seed)
+    return [C.TraceRequest([rng.randrange(C.FIRST_ORDINARY_TOKEN, VOCAB_SIZE) for _ in range(rng.randint(8, 96))],
+                           min(256, max(1, round(rng.expovariate(1 / 64))))) for _ in range(num_requests)]
+
+
 # --- (a) pagedserve over HTTP --------------------------------------------------------------
-async def _run_pagedserve(url: str, trace) -> tuple[float, list[list[int]]]:
+async def _run_served(url: str, trace, label: str = "(a) pagedserve") -> tuple[float, list[list[int]]]:
     import aiohttp
     # limit=0: aiohttp's default of 100 connections would hold back the rest of the trace
     connector = aiohttp.TCPConnector(limit=0)
@@ -73,7 +95,7 @@ async def _run_pagedserve(url: str, trace) -> tuple[float, list[list[int]]]:
             nonlocal done
             tokens = await C.complete_greedy(s, url, model, req.prompt_ids, req.output_len)
             done += 1
-            C.progress(f"(a) pagedserve: {done}/{len(trace)} requests done")
+            C.progress(f"{label}: {done}/{len(trace)} requests done")
             return tokens
         start = time.perf_counter()
         outputs = await asyncio.gather(*(one(r) for r in trace))
@@ -172,6 +194,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.quick:
         trace = C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload, (8, 8), (8, 8))
+    elif args.workload == "exp64":
+        trace = exp64_trace(args.num_requests, args.seed)
     else:
         trace = C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload,
                              (C.PROMPT_RANGE[0], args.max_prompt_len), (C.OUTPUT_RANGE[0], args.max_output_len))
@@ -179,15 +203,18 @@ def main(argv=None) -> int:
     print(C.machine_line(args.num_threads))
     print(C.cpu_check(args.num_threads))
     print(f"trace: seed {args.seed}, workload {args.workload}: {C.describe_trace(trace)}")
-    print("model: SmolLM2-135M-Instruct, float32, greedy, EOS ignored; all systems in this run, one after another")
+    print(f"model: SmolLM2-135M-Instruct, {args.dtype}, greedy, EOS ignored; all systems in this run, one after another")
+    print(f"(a) and (c): batch size {args.max_num_seqs}, step budget {args.max_num_batched_tokens} tokens "
+          f"({'given' if args.server_flags else 'the server defaults'})")
 
     server = None
     if "a" in args.systems:   # the data plane loads its model while this process loads its own
         pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
-        server = C.ServerProcess(args.num_threads, ["--max-num-seqs", str(args.max_num_seqs),
-                                                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                                    *pool])
+        server = C.start_server(args.num_threads, [*args.server_flags, *pool, "--dtype", args.dtype])
     model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
+    if model is not None and args.dtype != "float32":
+        import torch
+        model = model.to(getattr(torch, args.dtype))
     results: dict[str, tuple[float, list[list[int]]]] = {}
     failures: dict[str, str] = {}
     pool_tokens = 1456 * 16   # pagedserve's default CPU pool (1 GiB), when (a) is not run
@@ -197,9 +224,28 @@ def main(argv=None) -> int:
             C.Timer.note("pagedserve ready; running (a)")
             version = C.get_json(server.url + "/version")
             pool_tokens = version["num_device_blocks"] * version["block_size"]
-            results["a"] = asyncio.run(_run_pagedserve(server.url, trace))
+            results["a"] = asyncio.run(_run_served(server.url, trace))
         finally:
-            server.stop()   # it must not compete for the CPU with (b) and (c)
+            server.stop()   # it must not compete for the CPU with (b), (c) and (v)
+    if "v" in args.systems:
+        import vllm_anchor
+        python, why_not = vllm_anchor.find()
+        if python is None:
+            failures["v"] = why_not
+        elif args.dtype != "float32":
+            failures["v"] = "the vLLM anchor is set up for float32 only"
+        else:
+            C.Timer.note("starting vLLM (its first start compiles the model: minutes)")
+            vllm = vllm_anchor.VllmServer(python, C.free_port(), args.num_threads)
+            try:
+                vllm.wait_ready()
+                C.Timer.note("vLLM ready; running (v)")
+                results["v"] = asyncio.run(_run_served(vllm.url, trace, "(v) vLLM"))
+            except Exception as exc:   # reported, not hidden
+                C.progress_done()
+                failures["v"] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+            finally:
+                vllm.stop()
     if "b" in args.systems:
         C.Timer.note("running (b)")
         results["b"] = run_static(model, trace, args.batch_size)
@@ -213,10 +259,11 @@ def main(argv=None) -> int:
 
     names = {"a": "(a) pagedserve, REST API, all requests at once",
              "b": f"(b) transformers generate, static batches of {args.batch_size}",
-             "c": "(c) transformers continuous batching (generation thread)"}
+             "c": "(c) transformers continuous batching (generation thread)",
+             "v": "(v) vLLM CPU build, REST API, both cores bound"}
     print(f"\n{'system':<58} {'seconds':>9} {'output tok/s':>13}")
     rate = {}
-    for key in "abc":
+    for key in "abcv":
         if key in results:
             seconds, outputs = results[key]
             produced = sum(len(o) for o in outputs)
@@ -224,12 +271,12 @@ def main(argv=None) -> int:
             rate[key] = useful / seconds
             print(f"{names[key]:<58} {seconds:>9.1f} {rate[key]:>13.1f}")
         elif key in failures:
-            print(f"{names[key]:<58} could not run on this machine: {failures[key]}")
-    for key, goal in (("b", GOAL_VS_STATIC), ("c", GOAL_VS_HF_CB)):
+            print(f"{names[key]:<58} not run: {failures[key]}")
+    for key, goal in (("b", GOAL_VS_STATIC), ("c", GOAL_VS_HF_CB), ("v", GOAL_VS_VLLM)):
         if "a" in rate and key in rate:
             ratio = rate["a"] / rate[key]
             print(f"ratio (a)/({key}): {ratio:.2f}  (goal >= {goal:g}: {'met' if ratio >= goal else 'not met'})")
-    for key in "bc":
+    for key in "bcv":
         if "a" in results and key in results:
             count, where = compare(results["a"][1], results[key][1])
             detail = f" ({'; '.join(where)}{' ...' if count > len(where) else ''})" if count else ""

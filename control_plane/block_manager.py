@@ -19,6 +19,16 @@ from dataclasses import dataclass, field
 from control_plane.block_pool import Block, BlockPool
 
 
+def chain_block_hashes(token_ids: list[int], block_size: int, num_blocks: int, start: int = 0,
+                       parent: int | None = None):
+    """(index, hash, key) of full blocks start .. num_blocks-1, each hash chained on the one before;
+    `parent` is the hash of block start-1. The router hashes prompts the same way for affinity."""
+    for i in range(start, num_blocks):
+        key = (parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        parent = hash(key)
+        yield i, parent, key
+
+
 @dataclass
 class Growth:
     new_block_ids: list[int] = field(default_factory=list)   # appended to the table
@@ -164,14 +174,6 @@ class BlockManager:
         return self._move(seq_ids, self.cpu_tables, self.tables, self.cpu_pool, self.pool)
 
     # --- prefix cache -------------------------------------------------------------------
-    def _chain(self, token_ids: list[int], num_blocks: int, start: int = 0, parent: int | None = None):
-        """(hash, key) of full blocks start .. num_blocks-1, each chained on the one before."""
-        bs = self.block_size
-        for i in range(start, num_blocks):
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
-            parent = hash(key)
-            yield i, parent, key
-
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """For a sequence without blocks: share the longest cached prefix; returns its length in tokens."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
@@ -181,7 +183,7 @@ class BlockManager:
         max_blocks = (len(token_ids) - 1) // self.block_size
         table: list[Block] = []
         last_hash = None
-        for _, block_hash, key in self._chain(token_ids, max_blocks):
+        for _, block_hash, key in chain_block_hashes(token_ids, self.block_size, max_blocks):
             block = self.pool.lookup(block_hash, key)
             if block is None:
                 break
@@ -202,7 +204,7 @@ class BlockManager:
         table = self.tables[seq_id]
         done, parent = self._hashed.get(seq_id, (0, None))
         full = min(num_computed // self.block_size, len(table))
-        for i, block_hash, key in self._chain(token_ids, full, done, parent):
+        for i, block_hash, key in chain_block_hashes(token_ids, self.block_size, full, done, parent):
             if table[i].block_hash is None:
                 # False when another sequence cached the same contents first: this copy stays private
                 self.pool.register(table[i], block_hash, key)

@@ -26,7 +26,6 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, Block] = {}    # block hash -> block holding those tokens
-        self.num_evictions = 0
         self.num_shared = 0                   # blocks with ref count > 1, kept as refs change
 
     @property
@@ -50,7 +49,6 @@ class BlockPool:
         if block.block_hash is not None:   # evict its cached contents
             del self.cached[block.block_hash]
             block.block_hash = block.key = None
-            self.num_evictions += 1
         block.ref_count = 1
         return block
 
@@ -90,10 +88,6 @@ class BlockPool:
         block.block_hash, block.key = block_hash, key
         self.cached[block_hash] = block
         return True
-
-    def free_block_ids(self) -> list[int]:
-        """In allocation order (oldest first): for tests and integrity checks."""
-        return list(self._free)
 
     def check_integrity(self, references: dict[int, int]) -> None:
         """`references`: block id -> how many block-table entries point at it."""

@@ -105,6 +105,8 @@ class EngineStats:
         self._last_token_time: dict[int, float] = {}
         self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
         self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step
+        # sequences already scheduled once: their queue time is counted; dropped when they end
+        self._scheduled: set[int] = set()
 
     # --- called by the engine -------------------------------------------------------------
     def on_arrival(self, num_prompt_tokens: int) -> None:
@@ -119,8 +121,8 @@ class EngineStats:
         step_started = now - seconds
         for s in out.scheduled:
             seq = s.seq
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = step_started
+            if seq.seq_id not in self._scheduled:
+                self._scheduled.add(seq.seq_id)
                 if seq.num_output_tokens == 0:   # not a sample or beam forked from a running sequence
                     self.queue_time.observe(max(0.0, step_started - seq.arrival_time))
         if out.preempted:
@@ -158,6 +160,7 @@ class EngineStats:
     def on_seq_end(self, seq) -> None:
         """A sequence left the batch (its request may go on: parallel samples, beams)."""
         self._last_token_time.pop(seq.seq_id, None)
+        self._scheduled.discard(seq.seq_id)
 
     def on_generated(self, num_tokens: int) -> None:
         """Tokens handed out at the end rather than one by one (beam search)."""
@@ -167,6 +170,7 @@ class EngineStats:
     def on_finish(self, seq, reason: str, num_output_tokens: int | None = None) -> None:
         """A request ended; `seq` is its first sequence, `num_output_tokens` what it returned."""
         self._last_token_time.pop(seq.seq_id, None)
+        self._scheduled.discard(seq.seq_id)
         if reason not in self.finished:  # a reason added later still gets counted
             self.finished[reason] = self._finished_family.labels(self.model_name, reason)
         self.finished[reason].inc()

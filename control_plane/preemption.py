@@ -12,8 +12,8 @@ would need private copies of the blocks they shared, and the group might never f
 from __future__ import annotations
 
 from control_plane.sequence import Sequence
+from shared.config import kv_block_bytes
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 EMA = 0.2                          # weight of a new measurement
 MIN_PREFILL_TOKENS = 32            # steps smaller than this say little about the prefill rate
 
@@ -28,8 +28,8 @@ class PreemptionPolicy:
 
     @staticmethod
     def block_bytes_of(handshake) -> int:
-        return (handshake.num_layers * 2 * handshake.block_size * handshake.num_kv_heads * handshake.head_dim
-                * DTYPE_BYTES.get(handshake.dtype, 4))
+        return kv_block_bytes(handshake.num_layers, handshake.block_size, handshake.num_kv_heads,
+                              handshake.head_dim, handshake.dtype)
 
     def observe(self, blocks_swapped: int, swap_seconds: float, tokens: int, forward_seconds: float) -> None:
         if blocks_swapped and swap_seconds > 0:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from control_plane.block_manager import chain_block_hashes
 from control_plane.engine import Engine
 from control_plane.request import Request
 from control_plane.sampling_params import SamplingParams
@@ -35,11 +36,8 @@ MAX_AFFINITY_ENTRIES = 65536  # remembered prefixes; the oldest are forgotten fi
 
 def leading_block_hashes(prompt_ids: list[int], block_size: int, max_blocks: int = AFFINITY_BLOCKS) -> list[int]:
     """Chained hashes of the prompt's leading full blocks: entry i covers tokens [0, (i+1)*block_size)."""
-    hashes, parent = [], None
-    for i in range(min(len(prompt_ids) // block_size, max_blocks)):
-        parent = hash((parent, tuple(prompt_ids[i * block_size:(i + 1) * block_size])))
-        hashes.append(parent)
-    return hashes
+    num_blocks = min(len(prompt_ids) // block_size, max_blocks)
+    return [h for _, h, _ in chain_block_hashes(prompt_ids, block_size, num_blocks)]
 
 
 class Router:

@@ -39,7 +39,6 @@ class Sequence:
     num_pending_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
     cumulative_logprob: float = 0.0
 
     @property

@@ -14,10 +14,6 @@ DEFAULT_CPU_GIB = 1.0
 CUDA_MEMORY_FRACTION = 0.9
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
 def choose_num_blocks(block_bytes: int, device: torch.device, kv_cache_blocks: int | None,
                       kv_cache_gib: float | None) -> int:
     if kv_cache_blocks is not None:

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
+from shared.config import kv_block_bytes, model_name_of
 from shared.protocol import Handshake, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
 disable_created_metrics()
 
 SWAP_DIRECTIONS = ("out", "in")   # out: device to CPU, in: CPU to device
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # From a GPU decode step (a millisecond) to a long CPU prefill (tens of seconds).
 STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0,
@@ -40,21 +39,11 @@ STEP_TOKENS_BUCKETS = tuple(2 ** i for i in range(15))      # 1 .. 16384
 STEP_SEQS_BUCKETS = tuple(2 ** i for i in range(11))        # 1 .. 1024
 
 
-def model_name_of(model: str) -> str:
-    """The label value the control plane uses for the same model path (without --served-model-name)."""
-    return os.path.splitext(os.path.basename(os.path.normpath(model)))[0]
-
-
-def block_bytes(hs: Handshake) -> int:
-    """Bytes of one KV block across all layers, K and V."""
-    return hs.num_layers * 2 * hs.block_size * hs.num_kv_heads * hs.head_dim * DTYPE_BYTES[hs.dtype]
-
-
 class DataPlaneStats:
     def __init__(self, hs: Handshake, model_name: str | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name or model_name_of(hs.model_id)
-        self.block_bytes = block_bytes(hs)
+        self.block_bytes = kv_block_bytes(hs.num_layers, hs.block_size, hs.num_kv_heads, hs.head_dim, hs.dtype)
         r, m, name = self.registry, ["model_name"], self.model_name
 
         def histogram(metric, doc, buckets):

@@ -4,10 +4,10 @@ Cache layout (see ops/attention.py): ``cache[num_blocks, block_size, kv_heads, h
 slot = block_id * block_size + offset, slot -1 = padding (skipped).
 
 Swapping blocks between the device and the CPU pool has no Triton kernel here on purpose: a
-swap is bound by the host link (PCIe/NVLink-C2C), and ``dst.index_copy_(0, ids, src.index_select(0,
-ids).to(dst.device, non_blocking=True))`` already moves the blocks at link speed; a Triton kernel
-cannot read pageable host memory, and gathering into a staging buffer first is exactly what
-index_select does. No gain to win, so no kernel.
+swap is bound by the host link (PCIe/NVLink-C2C), and data_plane/swap.py's gather into pinned
+staging memory, one bulk copy (``non_blocking=False``: the step waits for it) and ``index_copy_``
+already move the blocks at link speed; a Triton kernel cannot read pageable host memory, and
+gathering into a staging buffer first is exactly what index_select does. No gain to win, so no kernel.
 """
 from __future__ import annotations
 

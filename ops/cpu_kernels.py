@@ -19,7 +19,21 @@ log = logging.getLogger("pagedserve.ops")
 
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu")
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp")]
-NAME = "pagedserve_cpu_kernels"
+
+
+def _sources_digest() -> str:
+    import hashlib
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES + [os.path.join(_FOLDER, "simd.h")]):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:10]
+
+
+# The build cache is per user, not per checkout: a name that carries the sources' digest keeps two
+# versions of the kernels (two checkouts, or an upgrade beside a running server) from rebuilding over
+# each other, so a process never loads a module built from other sources than its own.
+NAME = f"pagedserve_cpu_kernels_{_sources_digest()}"
 # torch's builder serializes builds with a lock file; a process killed mid-build (SIGKILL, or
 # SIGTERM without a handler) leaves it behind and every later start would wait on it forever
 STALE_LOCK_SECONDS = 600

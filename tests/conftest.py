@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory, smollm_path):
     plane can tokenize): servers on it start in seconds and steps take milliseconds."""
     from transformers import AutoTokenizer
 
-    from tests.factories import tiny_llama
+    from tests.helpers import tiny_llama
     folder = str(tmp_path_factory.mktemp("tiny-llama"))
     model = tiny_llama(vocab_size=49152, hidden=256, heads=4, kv_heads=2, layers=2, max_pos=512)
     model.save_pretrained(folder)

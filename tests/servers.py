@@ -1,10 +1,12 @@
-"""Real server processes for end-to-end and stress tests: `pagedserve serve` on loopback."""
+"""Real server processes for end-to-end and stress tests and for the benchmarks (bench/_common.py):
+`pagedserve serve` on loopback."""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -18,49 +20,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, log, what: str = "server",
+                       poll: float = 0.5) -> None:
+    """Polls `url` until it answers 200. Raises, with `log()` (the tail of the process's output), when
+    the process exits first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(poll)
+    raise RuntimeError(f"{what} not ready in {timeout:.0f}s:\n{log()}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `timeout` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Server:
-    def __init__(self, name: str, args: list[str], tmp_dir: str, env: dict | None = None):
+    """`pagedserve serve ARGS` on a free port, its output in `tmp_dir`/`name`.log; without a `tmp_dir`, in
+    a temporary file that stop() deletes. `log_interval`: seconds between its progress lines (None: the
+    server's default)."""
+
+    def __init__(self, name: str, args: list[str], tmp_dir: str | None = None, env: dict | None = None,
+                 log_interval: float | None = 2, startup_timeout: float = STARTUP_TIMEOUT):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(tmp_dir, f"{name}.log")
-        self._log = open(self.log_path, "w")
-        # no data-plane metrics port: several test servers run at once
-        cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port), "--log-interval", "2",
+        self.startup_timeout = startup_timeout
+        self._own_log = tmp_dir is None
+        if self._own_log:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"pagedserve-{name}-", suffix=".log")
+            self._log = os.fdopen(fd, "w")
+        else:
+            self.log_path = os.path.join(tmp_dir, f"{name}.log")
+            self._log = open(self.log_path, "w")
+        # no data-plane metrics port: several servers run at once, and a fixed port would clash
+        cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port),
                "--data-plane-metrics-port", "0", *args]
+        if log_interval is not None:
+            cmd += ["--log-interval", str(log_interval)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
 
     def wait_ready(self) -> "Server":
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT}s:\n{self.log()}")
+        wait_until_healthy(self.proc, self.url + "/health", self.startup_timeout, self.log)
+        return self
 
     def log_all(self) -> str:
         self._log.flush()
         with open(self.log_path) as f:
             return f.read()
 
-    def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-5000:]
+    def log(self, chars: int = 5000) -> str:
+        """The last `chars` characters of its output."""
+        return self.log_all()[-chars:]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
+        if self._own_log:
+            os.unlink(self.log_path)   # whoever needed its tail read it before
 
 
 class SplitServer(Server):
@@ -77,6 +107,7 @@ class SplitServer(Server):
             cwd=ROOT, stdout=self._dp_log, stderr=subprocess.STDOUT)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout, self._own_log = STARTUP_TIMEOUT, False
         self.log_path = os.path.join(tmp_dir, f"{name}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

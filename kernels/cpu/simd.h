@@ -1,5 +1,9 @@
-// What the CPU kernels share: whether this build has AVX2+FMA, and a horizontal sum.
+// What the CPU kernels share: whether this build has AVX2+FMA (and AVX-512), and a horizontal sum.
 #pragma once
+
+#if defined(__AVX512F__)
+#define PAGEDSERVE_AVX512 1
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from tests.e2e.client import post_many
-from tests.e2e.test_serving import PROMPTS
-from tests.servers import ROOT, STARTUP_TIMEOUT, free_port
+from tests.helpers import TEXT_PROMPTS
+from tests.servers import ROOT, STARTUP_TIMEOUT, free_port, stop_process, wait_until_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -48,26 +48,10 @@ class Proc:
             return f.read()[-4000:]
 
     def wait_http(self, url: str, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready at {url}:\n{self.log()}")
+        wait_until_healthy(self.proc, url, max(0.0, deadline - time.monotonic()), self.log, f"{self.name} at {url}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=20)
         self._log.close()
 
 
@@ -165,7 +149,7 @@ def stack(tmp_path_factory, smollm_path):
 def workload(stack):
     """8 concurrent greedy requests of 30 tokens over a 12-block pool; returns their responses once
     Prometheus has scraped the final counts."""
-    bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in PROMPTS]
+    bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True} for p in TEXT_PROMPTS]
     assert len(bodies) == NUM_REQUESTS
     results = post_many(stack.cp_url, "/v1/completions", bodies)
     for status, data in results:

@@ -3,19 +3,10 @@ import pytest
 import torch
 
 from tests.e2e.client import get, metric_value, post_many, post_one, sse_events, stream
+from tests.helpers import TEXT_PROMPTS as PROMPTS
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-    "Water boils at a temperature of",
-    "The largest planet in our solar system is",
-    "In machine learning, overfitting means",
-]
 MAX_TOKENS = 24
 
 

@@ -3,7 +3,7 @@ import json
 import os
 import subprocess
 
-from tests.unit.test_dashboard import ROOT, compose_binary, compose_config
+from tests.helpers import ROOT, compose_binary, compose_config
 
 
 def test_replicas_profile_runs_two_data_planes_behind_one_control_plane():

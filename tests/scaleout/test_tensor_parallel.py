@@ -14,7 +14,7 @@ from data_plane.model_runner import ModelRunner, load_model
 from data_plane.tensor_parallel import TensorParallelError, check_size
 from shared.config import DataPlaneConfig
 from tests.scaleout.driver import ROOT, RemoteRunner, play_greedy, start_data_plane
-from tests.factories import tiny_llama_config
+from tests.helpers import tiny_llama_config
 
 PROMPTS = [[1, 5, 9, 33, 7], [1] + list(range(300, 320)), [1, 42], [1] + list(range(100, 141))]
 MAX_TOKENS = 12

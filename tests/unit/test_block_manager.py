@@ -4,6 +4,7 @@ import pytest
 
 from control_plane.block_manager import BlockManager
 from control_plane.block_pool import BlockPool
+from tests.helpers import free_order
 
 
 def test_pool_allocates_oldest_free_first_and_reuses_in_lru_order():
@@ -12,7 +13,7 @@ def test_pool_allocates_oldest_free_first_and_reuses_in_lru_order():
     assert [a.block_id, b.block_id, c.block_id] == [0, 1, 2]
     pool.free(b)
     pool.free(a)
-    assert pool.free_block_ids() == [3, 1, 0]
+    assert free_order(pool) == [3, 1, 0]
     assert pool.allocate().block_id == 3
     assert pool.allocate().block_id == 1
     pool.check_integrity({1: 1, 2: 1, 3: 1})
@@ -31,11 +32,11 @@ def test_incref_takes_a_free_block_off_the_free_list():
     block = pool.allocate()
     pool.free(block)
     pool.incref(block)
-    assert block.ref_count == 1 and pool.free_block_ids() == [1]
+    assert block.ref_count == 1 and free_order(pool) == [1]
     pool.incref(block)
     pool.free(block)
     pool.free(block)
-    assert pool.free_block_ids() == [1, 0]
+    assert free_order(pool) == [1, 0]
     with pytest.raises(AssertionError):
         pool.free(block)
 
@@ -70,7 +71,7 @@ def test_manager_frees_in_reverse_order():
     bm.grow(1, 6)   # blocks 0, 1, 2
     bm.free(1)
     # the tail of the sequence is freed first so that it is reused (evicted) first
-    assert bm.pool.free_block_ids() == [3, 4, 2, 1, 0]
+    assert free_order(bm.pool) == [3, 4, 2, 1, 0]
     bm.check_integrity()
 
 

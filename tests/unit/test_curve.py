@@ -2,8 +2,6 @@
 key talks to the data plane; one with another key, or none, gets no handshake and no plan through."""
 import asyncio
 import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -12,10 +10,8 @@ from control_plane.dp_client import DataPlaneClient, DataPlaneDead
 from data_plane.worker import Worker
 from shared import curve
 from shared import protocol as P
+from tests.helpers import StubRunner
 from tests.servers import free_port
-from tests.unit.test_worker import StubRunner
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -76,24 +72,3 @@ def test_a_wrong_key_or_no_key_gets_nothing(curve_worker, keys, who):
     assert runner.plans == []
     # the data plane is unharmed: the right key still works
     assert asyncio.run(talk(address, keys[0]))[1].step_id == 7
-
-
-def test_keygen_writes_zmq_certificates_and_never_overwrites(tmp_path):
-    folder = str(tmp_path / "k")
-    cmd = [sys.executable, "-m", "control_plane.cli", "keygen", folder]
-    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
-    assert sorted(os.listdir(folder)) == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
-    assert oct(os.stat(os.path.join(folder, "server.key_secret")).st_mode & 0o777) == "0o600"
-    server, client = curve.load_server_keys(folder), curve.load_client_keys(folder)
-    assert client.server_public == server.public and server.authorized_clients == {client.public}
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert again.returncode == 2 and "exists already" in again.stderr
-
-
-def test_data_plane_process_refuses_a_public_address_without_keys(tiny_model_dir):
-    out = subprocess.run([sys.executable, "-m", "control_plane.cli", "data-plane", "--model", tiny_model_dir,
-                          "--listen", f"tcp://0.0.0.0:{free_port()}", "--metrics-port", "0"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
-    assert "--curve-keys" in out.stderr and "--insecure" in out.stderr and "Traceback" not in out.stderr

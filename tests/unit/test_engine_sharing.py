@@ -1,121 +1,12 @@
 """The real engine driving the real model runner in-process (no sockets), on a tiny random Llama:
-beam search equals transformers', parallel samples share and copy blocks, and every test ends
-with the pool intact."""
+parallel samples share and copy blocks, preemption keeps outputs, and every test ends with the pool
+intact (beam search against transformers: tests/integration/test_beam_equivalence.py)."""
 import asyncio
 
 import pytest
-import torch
 
-from control_plane.engine import Engine
 from control_plane.sampling_params import SamplingParams
-from data_plane import attention
-from data_plane.model_runner import ModelRunner
-from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.factories import tiny_llama
-
-
-class LocalClient:
-    """Stands in for the ZeroMQ client: hands each plan straight to a ModelRunner."""
-    def __init__(self, runner):
-        self.runner = runner
-        self.plans = []
-
-    async def step(self, plan, timeout):
-        self.plans.append(plan)
-        return self.runner.execute(plan)
-
-    async def ping(self, timeout):
-        return None
-
-
-class DigitTokenizer:
-    """Enough of a tokenizer for the engine: ids print as space-separated numbers."""
-    eos_token_id = 2
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
-
-
-def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto"):
-    model = tiny_llama(attn=attention.register(), seed=0)
-    dp = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
-    runner = ModelRunner(model, dp, torch.device("cpu"))
-    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
-                            preemption_mode=mode)
-    client = LocalClient(runner)
-    engine = Engine(cp, client, runner.handshake(), DigitTokenizer())
-    return engine, client
-
-
-async def run_all(engine, jobs):
-    """jobs: (prompt ids, SamplingParams); returns per job {index: final output}, all outputs by index."""
-    reqs = [engine.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(jobs)]
-    while any(not r.finished for r in reqs):
-        await engine.step()
-        engine.scheduler.check_integrity()
-    results = []
-    for r in reqs:
-        by_index = {}
-        while not r.queue.empty():
-            out = r.queue.get_nowait()
-            if out.index >= 0:
-                by_index.setdefault(out.index, []).append(out)
-        results.append({i: [t for o in outs for t in o.token_ids] for i, outs in by_index.items()})
-    return results
-
-
-def assert_pool_clean(engine):
-    bm = engine.scheduler.bm
-    engine.scheduler.check_integrity()
-    assert not bm.tables and bm.num_free_blocks() == bm.pool.num_blocks
-    assert not engine.owners
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return tiny_llama(attn="sdpa", seed=0)
-
-
-def hf_beams(model, prompt, width, n, max_tokens, length_penalty=1.0, early_stopping=False):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=n,
-                         max_new_tokens=max_tokens, do_sample=False, length_penalty=length_penalty,
-                         early_stopping=early_stopping)
-    rows = []
-    for row in out[:, len(prompt):].tolist():
-        if 2 in row:                      # cut the padding after the end-of-sequence token
-            row = row[:row.index(2) + 1]
-        rows.append(row)
-    return rows
-
-
-BEAM_PROMPTS = [[1, 17, 90, 4], [1, 300, 301, 302, 303, 304, 305, 306], [1, 5]]
-
-
-@pytest.mark.parametrize("width,length_penalty,early", [(2, 1.0, False), (4, 1.0, False), (4, 0.5, True)])
-def test_beam_search_equals_transformers(reference, width, length_penalty, early):
-    engine, client = make_engine(num_blocks=128)
-    params = SamplingParams(max_tokens=10, temperature=0.0, n=2, best_of=width, use_beam_search=True,
-                            length_penalty=length_penalty, early_stopping=early)
-    results = asyncio.run(run_all(engine, [(p, params) for p in BEAM_PROMPTS]))
-    for prompt, got in zip(BEAM_PROMPTS, results):
-        want = hf_beams(reference, prompt, width, 2, 10, length_penalty, early)
-        assert [got[0], got[1]] == want, prompt
-    assert engine.scheduler.bm.num_cow_copies > 0     # beams forked and then diverged
-    assert_pool_clean(engine)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_beam_search_under_preemption_still_equals_transformers(reference, mode):
-    # 14 blocks of 4 tokens cannot hold three requests of four beams at once
-    engine, _ = make_engine(num_blocks=14, budget=64, mode=mode)
-    params = SamplingParams(max_tokens=10, temperature=0.0, n=2, best_of=4, use_beam_search=True)
-    results = asyncio.run(run_all(engine, [(p, params) for p in BEAM_PROMPTS]))
-    sched = engine.scheduler
-    assert sched.num_swap_preemptions > 0    # beam groups are swapped in every mode
-    for prompt, got in zip(BEAM_PROMPTS, results):
-        assert [got[0], got[1]] == hf_beams(reference, prompt, 4, 2, 10)
-    assert_pool_clean(engine)
+from tests.helpers import assert_pool_clean, make_engine, run_all
 
 
 def test_parallel_samples_share_the_prompt_and_are_reproducible():
@@ -188,12 +79,7 @@ def mixed_jobs(seed=0, count=24):
 
 
 def make_swap_engine(num_blocks, mode, num_cpu_blocks=256):
-    model = tiny_llama(attn=attention.register(), seed=0)
-    dp = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=4, kv_cache_blocks=num_blocks,
-                         swap_blocks=num_cpu_blocks)
-    runner = ModelRunner(model, dp, torch.device("cpu"))
-    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=64, preemption_mode=mode)
-    return Engine(cp, LocalClient(runner), runner.handshake(), DigitTokenizer())
+    return make_engine(num_blocks, block_size=4, budget=64, mode=mode, swap_blocks=num_cpu_blocks)[0]
 
 
 @pytest.fixture(scope="module")

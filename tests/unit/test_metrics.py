@@ -10,7 +10,7 @@ from control_plane.metrics import EngineStats
 from data_plane import metrics as dpm
 from control_plane.scheduler import SchedulerLoad
 from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan, StepResult
-from tests.unit.test_dashboard import handshake
+from tests.helpers import handshake
 
 MODEL = "m"
 
@@ -22,8 +22,8 @@ def value(registry, name: str, **labels) -> float:
 
 
 def fake_seq(seq_id: int, arrival: float, num_prompt: int = 5, num_output: int = 0):
-    return SimpleNamespace(seq_id=seq_id, arrival_time=arrival, first_scheduled_time=None,
-                           num_prompt_tokens=num_prompt, num_output_tokens=num_output)
+    return SimpleNamespace(seq_id=seq_id, arrival_time=arrival, num_prompt_tokens=num_prompt,
+                           num_output_tokens=num_output)
 
 
 def fake_load(running=0, waiting=0, usage=0.5, **rest):
@@ -44,8 +44,10 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
     seq = fake_seq(1, arrival=100.0)
     stats.on_arrival(5)
     clock[0] = 102.0
+    before = dict(vars(seq))
     stats.on_step(step_out([seq]), 0.5, fake_load(running=1, waiting=2, usage=0.25))
-    assert seq.first_scheduled_time == 101.5
+    assert vars(seq) == before                  # metrics read the sequence, never write it
+    assert value(r, "pagedserve_request_queue_time_seconds_count") == 1
     assert value(r, "pagedserve_request_queue_time_seconds_sum") == 1.5
     assert value(r, "pagedserve_num_requests_running") == 1
     assert value(r, "pagedserve_num_requests_waiting") == 2
@@ -77,7 +79,7 @@ def test_forked_samples_add_no_queue_time():
     stats = EngineStats(MODEL)
     child = fake_seq(2, arrival=0.0, num_output=1)     # forked after its parent's first token
     stats.on_step(step_out([child]), 0.1, fake_load())
-    assert child.first_scheduled_time is not None
+    stats.on_step(step_out([child]), 0.1, fake_load())
     assert value(stats.registry, "pagedserve_request_queue_time_seconds_count") == 0
 
 
@@ -123,7 +125,7 @@ def test_data_plane_step_swap_and_copies():
     hs = handshake(model_id="/x/m.gguf", num_cpu_blocks=4)
     stats = dpm.DataPlaneStats(hs)
     r = stats.registry
-    block = dpm.block_bytes(hs)
+    block = stats.block_bytes
     assert block == 30 * 2 * 16 * 3 * 64 * 4
     plan = StepPlan(1, new_seqs=[new_seq(1, 7)], cached_seqs=[CachedSequence(2, 1)], swap_out=[(1, 0), (2, 1), (3, 2)],
                     swap_in=[(0, 5)], copies=[(4, 6)])

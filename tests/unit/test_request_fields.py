@@ -104,16 +104,25 @@ def test_loopback_addresses():
                                             "tcp://eth0:5555"))
 
 
-def test_data_plane_refuses_to_listen_off_loopback_without_keys(tiny_model_dir, tmp_path):
+@pytest.fixture
+def model_dir(tmp_path) -> str:
+    """The settings check only that a model folder exists; an empty one spares building a model."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    return str(folder)
+
+
+def test_data_plane_refuses_to_listen_off_loopback_without_keys(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="--curve-keys"):
-        DataPlaneConfig(model=tiny_model_dir, listen="tcp://0.0.0.0:5555").validate()
-    DataPlaneConfig(model=tiny_model_dir, listen="tcp://0.0.0.0:5555", insecure=True).validate()
-    DataPlaneConfig(model=tiny_model_dir, listen="tcp://127.0.0.1:5555").validate()
+        DataPlaneConfig(model=model_dir, listen="tcp://0.0.0.0:5555").validate()
+    DataPlaneConfig(model=model_dir, listen="tcp://0.0.0.0:5555", insecure=True).validate()
+    DataPlaneConfig(model=model_dir, listen="tcp://127.0.0.1:5555").validate()
     with pytest.raises(ConfigError, match="keygen"):
-        DataPlaneConfig(model=tiny_model_dir, listen="tcp://0.0.0.0:5555", curve_keys=str(tmp_path)).validate()
+        DataPlaneConfig(model=model_dir, listen="tcp://0.0.0.0:5555", curve_keys=str(tmp_path)).validate()
 
 
-def test_control_plane_settings_are_checked(tiny_model_dir, tmp_path):
+def test_control_plane_settings_are_checked(model_dir, tmp_path):
+    ControlPlaneConfig(model=model_dir).validate()     # so each error below comes from its bad setting
     for bad in ({"max_n": 0}, {"request_timeout": 0}, {"shutdown_grace": -1}, {"curve_keys": str(tmp_path / "no")}):
         with pytest.raises(ConfigError):
-            ControlPlaneConfig(model=tiny_model_dir, **bad).validate()
+            ControlPlaneConfig(model=model_dir, **bad).validate()

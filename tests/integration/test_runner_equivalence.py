@@ -1,4 +1,5 @@
-"""The data plane's runner driven in-process by the real scheduler: paged output equals transformers'."""
+"""The data plane's runner driven in-process by the real scheduler: paged output equals transformers'
+(on CPU, and on CUDA where there is one)."""
 import pytest
 import torch
 
@@ -7,21 +8,7 @@ from control_plane.plan_builder import build_plan
 from control_plane.sampling_params import SamplingParams
 from control_plane.scheduler import Scheduler
 from control_plane.sequence import Sequence
-from data_plane import attention
-from data_plane.model_runner import ModelRunner, PlanError
-from shared.config import DataPlaneConfig
-from shared.protocol import CachedSequence, StepPlan
-from tests.factories import tiny_llama
-
-
-def make_runner(model, num_blocks=64, block_size=4, device="cpu") -> ModelRunner:
-    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
-    return ModelRunner(model.to(device), config, torch.device(device))
-
-
-def paged_model(seed=0, **kw):
-    model = tiny_llama(attn=attention.register(), seed=seed, **kw)
-    return model
+from tests.helpers import make_runner, paged_model, tiny_llama
 
 
 def run_greedy(runner, prompts, max_tokens, budget=16, max_num_seqs=8, caching=True, stats=None):
@@ -87,17 +74,6 @@ def test_paged_greedy_matches_transformers_under_preemption(reference_model):
     assert outputs == [hf_greedy(reference_model, p, 12) for p in prompts]
 
 
-def test_runner_refuses_out_of_range_blocks_and_unknown_sequences():
-    runner = make_runner(paged_model(seed=0), num_blocks=8)
-    with pytest.raises(PlanError):
-        runner.execute(StepPlan(1, cached_seqs=[CachedSequence(123, 1)]))
-    from shared.protocol import NewSequence, SamplingSpec
-    with pytest.raises(PlanError):
-        runner.execute(StepPlan(2, new_seqs=[NewSequence(1, [1, 2], 2, 0, 2, [99], SamplingSpec())]))
-    with pytest.raises(PlanError):
-        runner.execute(StepPlan(3, new_seqs=[NewSequence(2, [1, 10_000], 2, 0, 2, [0], SamplingSpec())]))
-
-
 def test_prefix_cache_hits_give_the_same_tokens(reference_model):
     shared = list(range(200, 221))                   # 21 tokens: 5 full blocks of 4
     prompts = [[1] + shared + [7, 8], [1] + shared + [9], [1] + shared + [7, 8]]
@@ -108,13 +84,6 @@ def test_prefix_cache_hits_give_the_same_tokens(reference_model):
         outputs, _ = run_greedy(runner, prompts, max_tokens=10, budget=8, caching=caching, stats=stats)
         assert outputs == expected
         assert (stats["prefix_hits"] > 0) == caching
-
-
-def test_block_size_4_is_refused_on_the_triton_path(monkeypatch):
-    from shared.config import ConfigError
-    monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
-    with pytest.raises(ConfigError, match="for the CPU path"):
-        make_runner(paged_model(seed=0), block_size=4)
 
 
 # --- CUDA: the same oracle with the compiled Triton kernels (block size 8 and up) ---------------

@@ -1,85 +1,26 @@
-"""Shared by the memory benchmarks: an Alpaca-like synthetic trace, a fake data plane, and a loop
-that drives the REAL control plane (Engine, Scheduler, BlockManager) through the trace.
+"""Shared by the memory benchmarks: a fake data plane, and a loop that drives the REAL control plane
+(Engine, Scheduler, BlockManager) through a synthetic trace (bench/_common.py's synthetic_trace).
 
 Why a fake data plane: block sharing, copy-on-write, preemption and prefix hits are all decided
 by the control plane; the data plane only fills the blocks. Replacing the model by a function
 that returns deterministic pseudo-random tokens (and top-k log-probabilities for beams) keeps
 every control-plane decision real while a 2-core CPU runs thousands of steps in seconds.
-
-Trace ("Alpaca-like"): the vLLM paper's Alpaca workload has prompts of 19.31 tokens and outputs
-of 58.45 tokens on average. Lengths here are lognormal with those means (prompt sigma 0.6,
-output sigma 0.8), clipped to [4, 128] and [8, 256]; token ids uniform over the vocabulary;
-arrivals Poisson with `rate` requests per engine step (rate 0: all at step 0). Seeded.
-"ShareGPT-like" does the same with the paper's ShareGPT means (161.31 / 337.99), for contrast.
 """
 from __future__ import annotations
 
 import math
-import os
 import random
-import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:            # run as `python bench/x.py`: make the project importable
-    sys.path.insert(0, ROOT)
+from _common import FIRST_SYNTHETIC_TOKEN, TraceRequest, progress, progress_done  # also puts the project on sys.path
 
-from control_plane.engine import Engine                          # noqa: E402
-from shared.config import ControlPlaneConfig                     # noqa: E402
-from shared.protocol import Handshake, SampledToken, StepPlan, StepResult  # noqa: E402
+from control_plane.engine import Engine
+from shared.config import ControlPlaneConfig
+from shared.protocol import Handshake, SampledToken, StepPlan, StepResult
 
 EOS_ID = 2
-FIRST_TOKEN_ID = 3                  # 0 pad, 1 bos, 2 eos are never drawn as ordinary tokens
-
-
-@dataclass(frozen=True)
-class Lengths:
-    name: str
-    prompt_mean: float
-    prompt_sigma: float
-    prompt_clip: tuple[int, int]
-    output_mean: float
-    output_sigma: float
-    output_clip: tuple[int, int]   # the upper clip doubles as the requests' max_tokens
-
-    def describe(self) -> str:
-        return (f"{self.name}: prompt ~ lognormal(mean {self.prompt_mean}, sigma {self.prompt_sigma}) clipped "
-                f"{list(self.prompt_clip)}, output ~ lognormal(mean {self.output_mean}, sigma {self.output_sigma}) "
-                f"clipped {list(self.output_clip)}")
-
-
-ALPACA = Lengths("Alpaca-like", 19.31, 0.6, (4, 128), 58.45, 0.8, (8, 256))
-SHAREGPT = Lengths("ShareGPT-like", 161.31, 1.0, (4, 1024), 337.99, 0.8, (8, 1024))
-
-
-@dataclass
-class TraceRequest:
-    arrival_step: int
-    prompt_ids: list[int]
-    output_len: int          # tokens the fake model generates, the final EOS included
-
-
-def _lognormal(rng: random.Random, mean: float, sigma: float, clip: tuple[int, int]) -> int:
-    mu = math.log(mean) - sigma * sigma / 2          # so that E[X] = mean before clipping
-    return min(max(round(rng.lognormvariate(mu, sigma)), clip[0]), clip[1])
-
-
-def synthetic_trace(num_requests: int, seed: int, rate: float = 0.0, vocab_size: int = 49152,
-                    prefix: list[int] | None = None, lengths: Lengths = ALPACA) -> list[TraceRequest]:
-    """`prefix`: tokens put before every prompt (a shared system prompt)."""
-    lz = lengths
-    rng = random.Random(seed)
-    trace, clock = [], 0.0
-    for _ in range(num_requests):
-        if rate > 0:
-            clock += rng.expovariate(rate)
-        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size)
-                  for _ in range(_lognormal(rng, lz.prompt_mean, lz.prompt_sigma, lz.prompt_clip))]
-        trace.append(TraceRequest(int(clock), list(prefix or []) + prompt,
-                                  _lognormal(rng, lz.output_mean, lz.output_sigma, lz.output_clip)))
-    return trace
 
 
 @dataclass
@@ -172,7 +113,7 @@ class FakeDataPlane:
                 token = EOS_ID
             else:
                 rng = random.Random(hash((self.seed, seq_id, len(st.token_ids), j)))
-                token = rng.randrange(FIRST_TOKEN_ID, self.vocab_size)
+                token = rng.randrange(FIRST_SYNTHETIC_TOKEN, self.vocab_size)
             out.append(SampledToken(seq_id, token, -1.0))
         st.token_ids.append(out[0].token_id)      # like the runner: the parent keeps draw 0
         return out
@@ -182,7 +123,7 @@ class FakeDataPlane:
         sharpness = rng.uniform(0.5, 4.0)            # confident steps and flat ones
         logits = sorted((sharpness * rng.gauss(0.0, 1.0) for _ in range(max(k, 32))), reverse=True)
         norm = max(logits) + math.log(sum(math.exp(z - max(logits)) for z in logits))
-        tokens = rng.sample(range(FIRST_TOKEN_ID, self.vocab_size), k)
+        tokens = rng.sample(range(FIRST_SYNTHETIC_TOKEN, self.vocab_size), k)
         return [(t, z - norm) for t, z in zip(tokens, logits[:k])]
 
 
@@ -218,25 +159,13 @@ def observe_pool(engine: Engine, samples: list[StepSample]):
     return observe
 
 
-class Progress:
-    """One line on stderr every `every` seconds, so a long run shows it is alive."""
-    def __init__(self, label: str, every: float = 2.0):
-        self.label, self.every, self.last = label, every, time.monotonic()
-
-    def tick(self, text: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self.last >= self.every:
-            print(f"  [{self.label}] {text}", file=sys.stderr, flush=True)
-            self.last = now
-
-
 async def drive(engine: Engine, trace: list[TraceRequest], make_params, label: str, on_step=None) -> list:
     """Feeds the trace to the engine on a step clock (idle steps skip ahead to the next arrival) and
     steps until every request finished. `make_params(trace_request)` gives its SamplingParams;
     `on_step(requests)` runs after each step. Returns the engine's Request objects in trace order."""
     pending = deque(sorted(enumerate(trace), key=lambda it: it[1].arrival_step))
     requests: list = [None] * len(trace)
-    progress, clock = Progress(label), 0
+    clock = 0
     while pending or engine.scheduler.has_work():
         if not engine.scheduler.has_work() and pending:
             clock = max(clock, pending[0][1].arrival_step)
@@ -249,7 +178,8 @@ async def drive(engine: Engine, trace: list[TraceRequest], make_params, label: s
             on_step(requests)
         clock += 1
         done = sum(r is not None and r.finished for r in requests)
-        progress.tick(f"step {clock}, {done}/{len(trace)} requests finished")
+        progress(f"[{label}] step {clock}, {done}/{len(trace)} requests finished")
+    progress_done()
     engine.scheduler.check_integrity()
     bm = engine.scheduler.bm
     assert not bm.tables and bm.num_free_blocks() == bm.pool.num_blocks, "blocks leaked"
@@ -263,27 +193,3 @@ def _drain(req) -> list:
     while not req.queue.empty():
         outs.append(req.queue.get_nowait())
     return outs
-
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else 0.0
-
-
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-@dataclass
-class Table:
-    """A plain text table, printed with aligned columns."""
-    header: list[str]
-    rows: list[list[str]] = field(default_factory=list)
-
-    def add(self, *cells) -> None:
-        self.rows.append([str(c) for c in cells])
-
-    def render(self) -> str:
-        widths = [max(len(r[i]) for r in [self.header] + self.rows) for i in range(len(self.header))]
-        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()   # noqa: E731
-        return "\n".join([line(self.header), line(["-" * w for w in widths])] + [line(r) for r in self.rows])

