@@ -152,7 +152,7 @@ def observe_pool(engine: Engine, samples: list[StepSample]):
         new_tokens.update({s.seq_id: s.num_new_tokens for s in plan.cached_seqs})
         if not new_tokens:
             return
-        covered = [s.num_computed_tokens + new_tokens.get(s.seq_id, 0) for s in sched.running]
+        covered = [s.num_computed_tokens for s in sched.running]   # the sent plan's tokens are counted
         samples.append(StepSample(bm.pool.num_blocks - bm.num_free_blocks(),
                                   sum(bm.blocks_needed(c) for c in covered), sum(covered), len(covered),
                                   len({s.request_id for s in sched.running})))

@@ -38,6 +38,9 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM or SIGINT, seconds in-flight requests get to finish before they "
                              "are aborted (a second signal aborts them at once)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="plan each step while the data plane still computes the one before (overlap); "
+                             "the outputs are the same")
 
 
 def _serve(args: argparse.Namespace, spawn: bool) -> int:
@@ -58,7 +61,8 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   enable_prefix_caching=args.prefix_caching,
                                   preemption_mode=args.preemption_mode, max_waiting=args.max_waiting,
                                   api_key=args.api_key, max_n=args.max_n, request_timeout=args.request_timeout,
-                                  shutdown_grace=args.shutdown_grace, curve_keys=args.curve_keys).validate()
+                                  shutdown_grace=args.shutdown_grace, curve_keys=args.curve_keys,
+                                  async_scheduling=args.async_scheduling).validate()
         if not addresses and not spawn:
             raise C.ConfigError("control-plane needs --data-plane ADDRESS (or use 'pagedserve serve')")
         children = []

@@ -1,4 +1,6 @@
-"""The control plane's end of the ZeroMQ link: a DEALER socket, one request in flight at a time.
+"""The control plane's end of the ZeroMQ link: a DEALER socket. Requests are answered in the order
+sent; step plans may be sent ahead of their results (the data plane queues them, see
+Engine.step's overlap) and each result is matched to its plan by step id.
 
 The link is watched two ways, so that /health follows it within a second of a death:
 - a ZeroMQ socket monitor reports the disconnect of a data plane whose process ends (its
@@ -110,6 +112,11 @@ class DataPlaneClient:
         if not resend_on_drop and not self.link_up and self.link_drops:
             raise DataPlaneDead(f"the link to the data plane at {self.address} is down")
         await self.sock.send(P.encode(kind, message))
+        return await self._receive(kind, message, expect, timeout, resend_on_drop)
+
+    async def _receive(self, kind: str, message, expect: str, timeout: float, resend_on_drop: bool = False):
+        """Waits for the answer `expect` to (kind, message), sent already; says it again after a link
+        drop when resend_on_drop."""
         drops = self.link_drops
         deadline = time.monotonic() + timeout
         while True:
@@ -162,11 +169,21 @@ class DataPlaneClient:
             return hs
 
     async def step(self, plan: P.StepPlan, timeout: float) -> P.StepResult:
+        await self.send_plan(plan)
+        return await self.result_of(plan.step_id, timeout)
+
+    async def send_plan(self, plan: P.StepPlan) -> None:
+        if not self.link_up and self.link_drops:
+            raise DataPlaneDead(f"the link to the data plane at {self.address} is down")
+        await self.sock.send(P.encode(P.STEP_PLAN, plan))
+
+    async def result_of(self, step_id: int, timeout: float) -> P.StepResult:
+        """The result of the plan `step_id`; results of earlier plans (left by a timeout) are dropped."""
         while True:
-            result = await self._request(P.STEP_PLAN, plan, P.STEP_RESULT, timeout)
-            if result.step_id == plan.step_id:
+            result = await self._receive(P.STEP_PLAN, None, P.STEP_RESULT, timeout)
+            if result.step_id == step_id:
                 return result
-            log.warning("dropped a stale result of step %d", result.step_id)
+            log.warning("dropped the result of step %d while waiting for step %d", result.step_id, step_id)
 
     async def ping(self, timeout: float) -> None:
         await self._request(P.PING, None, P.PONG, timeout)

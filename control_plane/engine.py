@@ -8,6 +8,7 @@ import asyncio
 import heapq
 import logging
 import time
+from dataclasses import dataclass
 
 from control_plane import metrics
 from control_plane.beam_search import BeamSearch
@@ -18,17 +19,25 @@ from control_plane.plan_builder import build_plan
 from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request
 from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
-from control_plane.scheduler import Scheduler, SchedulerLoad
+from control_plane.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
 from control_plane.structured import GrammarBackend, Matchers
 from control_plane.sequence import Sequence
 from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
-from shared.protocol import Handshake
+from shared.protocol import Handshake, StepResult
 
 log = logging.getLogger("pagedserve.control_plane")
 IDLE_PING_SECONDS = 5.0
 RESTART_SECONDS = 300.0   # a restarted data plane loads its model before it answers
 SHUTDOWN_MESSAGE = "the server shut down before the request finished; send it again"
+
+
+@dataclass
+class InFlight:
+    """A step sent to the data plane whose result is not applied yet."""
+    step_id: int
+    out: SchedulerOutput
+    sent_at: float          # time.monotonic() when its plan was sent
 
 
 class Engine:
@@ -41,13 +50,15 @@ class Engine:
                                      enable_prefix_caching=config.enable_prefix_caching,
                                      num_cpu_blocks=handshake.num_cpu_blocks)
         self.policy = PreemptionPolicy(config.preemption_mode, PreemptionPolicy.block_bytes_of(handshake))
-        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.policy)
+        self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.policy,
+                                   overlap=config.async_scheduling)
         eos = set(handshake.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self._wakeup = asyncio.Event()
         self._step_id = 0
+        self._in_flight: InFlight | None = None   # overlap: the step sent whose result is awaited next
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
@@ -138,6 +149,11 @@ class Engine:
         check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
         self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
         if params.constraint is not None:
+            if self.config.async_scheduling:
+                # a step planned ahead would need the mask of a token not yet sampled
+                raise ValidationError("structured outputs and forced tool calls are not available on a "
+                                      "server started with --async-scheduling", "response_format",
+                                      "unsupported_parameter")
             self._grammar_matchers().backend.compile(params.constraint)   # a bad grammar is a 400 here
 
     def _grammar_matchers(self) -> Matchers:
@@ -200,7 +216,7 @@ class Engine:
                 self._log_progress(now - last_log)
                 last_log = now
             self.isolation.release()
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and self._in_flight is None:
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), min(IDLE_PING_SECONDS, self.config.log_interval))
@@ -208,7 +224,7 @@ class Engine:
                     await self._guarded(self.client.ping(self.config.step_timeout))
                 continue
             self._expire_deadlines()   # before scheduling: an expired request takes no more steps
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() or self._in_flight is not None:
                 await self._guarded(self.step())
 
     async def _guarded(self, work) -> None:
@@ -220,6 +236,7 @@ class Engine:
         except DataPlaneDead as exc:
             log.error("%s", exc)
             self.data_plane_alive = False
+            self._in_flight = None      # its result will never come: the sequences are recomputed
             while not self._stopping:
                 if self.on_dead is not None:
                     await self.on_dead()
@@ -247,23 +264,39 @@ class Engine:
         log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:
+        """One step. Without overlap: plan, send, wait for the result, apply it. With overlap
+        (config.async_scheduling): plan and send step N+1, then wait for step N's result and apply
+        it, so that this process handles N while the data plane computes N+1 (scheduler.py, top)."""
         self.isolation.release()
-        out = self.scheduler.schedule()
         sched = self.scheduler
-        if out.is_empty and not sched.running and (sched.swapped or sched.waiting):
+        out = sched.schedule()
+        if out.is_empty and self._in_flight is None and not sched.running and (sched.swapped or sched.waiting):
             # nothing runs and the head of the queue still cannot get its blocks: it never will
             stuck = sched.swapped[0][0] if sched.swapped else sched.waiting[0]
             self.outputs.fail(self.owners[stuck.seq_id], "the request does not fit the KV pool")
             return
-        self._step_id += 1
-        plan = build_plan(self._step_id, out, self.scheduler.bm)
-        matchers = self.outputs.matchers
-        if matchers is not None and matchers.by_seq:
-            plan.token_masks = matchers.step_masks(out.scheduled)
-        self.scheduler.commit(out)
-        started = time.monotonic()
-        result = await self.client.step(plan, self.config.step_timeout)
-        self.stats.on_step(out, time.monotonic() - started, self.load())
+        overlap = self.config.async_scheduling
+        sent = None
+        if not (overlap and out.is_empty):
+            self._step_id += 1
+            plan = build_plan(self._step_id, out, sched.bm)
+            matchers = self.outputs.matchers
+            if matchers is not None and matchers.by_seq:   # never with overlap: validate_request refuses
+                plan.token_masks = matchers.step_masks(out.scheduled)
+            sched.commit(out)
+            sent = InFlight(self._step_id, out, time.monotonic())
+            if not overlap:
+                self._apply(sent, await self.client.step(plan, self.config.step_timeout))
+                return
+            await self.client.send_plan(plan)
+        previous, self._in_flight = self._in_flight, sent
+        if previous is not None:
+            self._apply(previous, await self.client.result_of(previous.step_id, self.config.step_timeout))
+
+    def _apply(self, sent: InFlight, result: StepResult) -> None:
+        out = sent.out
+        self.scheduler.on_result(out)
+        self.stats.on_step(out, time.monotonic() - sent.sent_at, self.load())
         if out.swapped_out:
             self.stats.on_preemption("swap", len(out.swapped_out))
         if out.swap_out or out.swap_in:
@@ -271,7 +304,7 @@ class Engine:
         self.policy.observe(len(out.swap_out) + len(out.swap_in), result.swap_seconds, result.num_tokens,
                             result.forward_seconds)
         if result.error:
-            log.error("step %d failed on the data plane: %s", plan.step_id, result.error)
+            log.error("step %d failed on the data plane: %s", sent.step_id, result.error)
             self.isolation.on_failure(out, result.error)
             return
         self.isolation.on_success(out)

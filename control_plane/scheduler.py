@@ -13,6 +13,15 @@ token sampled last step). Each step:
   2. if nothing was preempted, swapped requests come back first (swap-in), oldest first;
   3. then, if none is left swapped, waiting sequences are admitted in order while budget,
      batch size and free blocks (above a small watermark) allow.
+
+A sent plan is committed (commit): its sequences count the tokens it computes as computed. With
+overlap on, the next step is planned while the data plane still runs this one: a sequence that
+this step samples, and whose next step does not depend on the token drawn, counts that token as
+pending (Sequence.num_pending_tokens) and is planned one token ahead; the data plane appended the
+token itself. A sequence whose next step needs the token first (a beam: the control plane
+chooses it; the first token of n > 1 samples: they fork) or that surely ends with it (max_tokens)
+sits out one step. A sequence that turns out to have ended (a stop, an abort) is forgotten by the
+following plan and the token computed for it is dropped.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ class ScheduledSeq:
     num_new_tokens: int
     growth: Growth             # blocks appended to its table this step, copy-on-write copies
     is_new: bool               # the data plane does not know it: send it in full
+    predicted: bool = False    # commit counted the token this step samples as pending (overlap)
 
     @property
     def new_block_ids(self) -> list[int]:
@@ -77,8 +87,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: PreemptionPolicy | None = None):
+                 policy: PreemptionPolicy | None = None, overlap: bool = False):
         self.bm = block_manager
+        self.overlap = overlap      # plans may be sent before the previous step's result (see commit)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy or PreemptionPolicy("recompute", 1)
@@ -133,7 +144,7 @@ class Scheduler:
     def _blocks_wanted(self, group: list[Sequence], budget: int) -> int:
         wanted = 0
         for seq in group:
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_expected_tokens - seq.num_computed_tokens, budget)
             budget -= num_new
             if num_new:
                 wanted += self.bm.blocks_to_grow(seq.seq_id, seq.num_computed_tokens + num_new,
@@ -195,9 +206,9 @@ class Scheduler:
             if group[0].status is not SeqStatus.RUNNING:
                 continue   # the group itself gave way; running[i] is now the next request
             for seq in group:
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                num_new = min(seq.num_expected_tokens - seq.num_computed_tokens, budget)
                 if num_new == 0:
-                    continue   # a beam waiting for the rest of its group, or no budget left
+                    continue   # waits for a token (a beam, a sample to fork; overlap), or no budget left
                 growth = self._grow(seq, num_new)
                 assert growth is not None, "room was made for the whole group"
                 out.scheduled.append(ScheduledSeq(seq, num_new, growth, not seq.known_to_data_plane))
@@ -211,10 +222,32 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """The plan built from `out` was sent: the data plane now knows every scheduled sequence
-        and every token the plan carried (the one place these flags are set)."""
+        and every token the plan carried, and computes what it scheduled (the one place these are
+        recorded). With overlap, a token it samples may be counted as pending (see the top)."""
         for s in out.scheduled:
-            s.seq.known_to_data_plane = True
-            s.seq.num_tokens_sent = s.seq.num_tokens
+            seq = s.seq
+            seq.known_to_data_plane = True
+            seq.num_tokens_sent = seq.num_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            if self.overlap and seq.num_computed_tokens == seq.num_expected_tokens and self._plans_ahead(seq):
+                seq.num_pending_tokens += 1
+                s.predicted = True
+
+    @staticmethod
+    def _plans_ahead(seq: Sequence) -> bool:
+        """Whether the step after this one can be planned before the token this one samples is known."""
+        if seq.spec.beam_width:
+            return False        # the control plane chooses a beam's next token from the result
+        num_output = seq.num_expected_tokens - seq.num_prompt_tokens
+        if num_output == 0 and seq.spec.n > 1:
+            return False        # the first token of parallel samples: they fork from the result
+        return num_output + 1 < seq.params.max_tokens    # else it surely ends with this token
+
+    def on_result(self, out: SchedulerOutput) -> None:
+        """The result of the plan built from `out` came back (with its tokens, or an error)."""
+        for s in out.scheduled:
+            if s.predicted:
+                s.seq.num_pending_tokens -= 1
 
     def _grow(self, seq: Sequence, num_new: int, reserve: int = 0) -> Growth | None:
         return self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new, write_from=seq.num_computed_tokens,
@@ -223,6 +256,8 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped:
             group = self.swapped[0]
+            if any(s.num_pending_tokens for s in group):
+                break       # swapped out while a step sampled for it: sent in full once the token is known
             num_new = sum(s.num_tokens - s.num_computed_tokens for s in group)
             if len(self.running) + len(group) > self.max_num_seqs or num_new > budget:
                 break
@@ -251,8 +286,8 @@ class Scheduler:
                 if seq.request_id != head.request_id:
                     break
                 group.append(seq)   # a request preempted whole comes back whole
-            if len(self.running) + len(group) > self.max_num_seqs:
-                break
+            if len(self.running) + len(group) > self.max_num_seqs or any(s.num_pending_tokens for s in group):
+                break       # (pending: preempted while a step sampled for it; sent in full once it is known)
             if len(group) > 1:
                 needed = sum(self.bm.blocks_needed(s.num_tokens) for s in group)
                 if needed + self.watermark_blocks > self.bm.num_free_blocks():
@@ -282,11 +317,12 @@ class Scheduler:
         self.running.append(child)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """The data plane computed what `out` scheduled."""
+        """The data plane computed what `out` scheduled: the blocks it filled join the prefix cache.
+        (With overlap, a later step committed since may count tokens not known yet: those wait.)"""
         for s in out.scheduled:
-            if s.seq.status is SeqStatus.RUNNING:
-                s.seq.num_computed_tokens += s.num_new_tokens
-                self.bm.cache_computed_blocks(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed_tokens)
+            seq = s.seq
+            if seq.status is SeqStatus.RUNNING:
+                self.bm.cache_computed_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens))
 
     def restart(self, block_manager: BlockManager) -> int:
         """The data plane came back with a new, empty pool: every unfinished sequence waits to be
@@ -299,6 +335,7 @@ class Scheduler:
         self.waiting.clear()
         for seq in sorted(seqs, key=run_order):
             seq.status, seq.num_computed_tokens, seq.known_to_data_plane = SeqStatus.WAITING, 0, False
+            seq.num_pending_tokens = 0      # the steps in flight are lost with the old data plane
             self.waiting.append(seq)
         return len(seqs)
 

@@ -34,6 +34,9 @@ class Sequence:
     num_computed_tokens: int = 0
     known_to_data_plane: bool = False   # sent in full once; afterwards only deltas
     num_tokens_sent: int = 0            # beams: tokens the data plane has (it appends no token itself)
+    # overlap: tokens the data plane samples, and appends itself, in steps still in flight; the
+    # control plane learns them with those steps' results (see Scheduler.commit)
+    num_pending_tokens: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0
@@ -41,6 +44,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_expected_tokens(self) -> int:
+        """Tokens known here plus those steps in flight will sample: what the next step plans for."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -125,6 +125,7 @@ class ControlPlaneConfig:
     request_timeout: float | None = None  # seconds a request may take (a body's "timeout" may lower it)
     shutdown_grace: float = 30.0       # on SIGTERM, seconds in-flight requests get to finish
     curve_keys: str | None = None      # key folder: talk CURVE to the data plane
+    async_scheduling: bool = False     # plan step N+1 while the data plane runs step N (engine.step)
 
     def validate(self) -> "ControlPlaneConfig":
         if self.max_num_seqs < 1:
