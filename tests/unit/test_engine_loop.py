@@ -191,3 +191,13 @@ def test_an_aborted_or_timed_out_request_never_gets_the_token_computed_ahead_for
     # the data plane was told to forget them, and computed a token for at least one of them ahead
     forgotten = {s for p in engine.client.plans for s in p.forget_seq_ids}
     assert len(forgotten) >= 3
+
+
+def test_a_constrained_request_is_refused_on_an_overlapping_server():
+    # planned ahead, a constrained sequence's next mask would need the token not yet sampled
+    from control_plane.sampling_params import ValidationError
+    from control_plane.structured import Constraint
+    engine = make_engine(async_scheduling=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, constraint=Constraint("regex", "[0-9]+"))
+    with pytest.raises(ValidationError, match="--async-scheduling"):
+        engine.validate_request([5, 6, 7], params)
