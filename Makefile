@@ -42,3 +42,10 @@ clean:
 .PHONY: stack
 stack: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" PORT=$(PORT) deploy/stack.sh
+
+# The compose stack for real, with podman: base images built offline with debootstrap, the engine
+# image from a wheelhouse, then up, health, a chat completion, Prometheus, a data-plane restart,
+# down -v (deploy/stack/test_stack.sh; needs root, installs podman/runc/debootstrap when missing).
+.PHONY: test-stack
+test-stack: install
+	PYTHON=$(CURDIR)/$(BIN)/python deploy/stack/test_stack.sh

@@ -28,7 +28,9 @@ def require_api_key(api_key: str):
     @web.middleware
     async def check(request: web.Request, handler):
         if request.path not in PUBLIC_PATHS:
-            given = request.headers.get("Authorization", "").encode()
+            # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes: turn them back
+            # into the bytes sent (a wrong key, never a UnicodeEncodeError)
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, expected):   # constant time: no timing oracle on the key
                 return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                       "authentication_error", code="invalid_api_key")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -13,10 +14,12 @@ from control_plane import __version__
 from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
+from control_plane.http_guard import BodyTimeout, read_body
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
 from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
 
+log = logging.getLogger("pagedserve.control_plane")
 MAX_BODY_BYTES = 4 * 1024 * 1024
 ENGINE_KEY = web.AppKey("engine", Engine)
 
@@ -34,13 +37,33 @@ def _strict_loads(text: str):
     return json.loads(text, parse_constant=_refuse_constant)
 
 
+def _check_text(value, where: str = "the body") -> None:
+    """JSON's \\ud800 escapes give strings that are not Unicode text (lone surrogates): no tokenizer
+    can take them, so they are refused here, wherever they are in the body."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValidationError(f"{where} holds a lone surrogate (\\ud800-\\udfff), which is not text",
+                                  where if where != "the body" else None, "invalid_value") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, key if where == "the body" and isinstance(key, str) else where)
+
+
 async def _read_json(request: web.Request) -> dict:
+    raw = await read_body(request)   # within the body read timeout
     try:
-        body = await request.json(loads=_strict_loads)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:   # JSONDecodeError is a ValueError
+        body = _strict_loads(raw.decode(request.charset or "utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError, LookupError) as exc:   # JSONDecodeError is a ValueError
         raise ValidationError(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ValidationError("the body must be a JSON object", None, "invalid_type")
+    _check_text(body)
     return body
 
 
@@ -149,6 +172,10 @@ class Api:
                 return unavailable("the server is shutting down", code="shutting_down")
             if not engine.data_plane_alive:
                 return unavailable("the data plane is not available")
+            if len(prompts) > engine.config.max_waiting:   # never accepted, however long it waits: not a 503
+                raise ValidationError(f"'prompt' holds {len(prompts)} prompts; this server queues at most "
+                                      f"{engine.config.max_waiting} requests (its --max-waiting): send at most "
+                                      f"{engine.config.max_waiting} per request", "prompt", "too_many_prompts")
             if engine.num_waiting() + len(prompts) > engine.config.max_waiting:
                 return unavailable(f"the server is overloaded: {engine.num_waiting()} requests are "
                                    "waiting already", code="overloaded")
@@ -163,6 +190,8 @@ class Api:
             return await self._collect(requests, meta, chat, return_ids)
         finally:
             for r in requests:
+                if not r.finished:
+                    log.debug("request %s ended before it finished (the client went away); aborted", r.request_id)
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
     async def _collect(self, requests: list[Request], meta, chat, return_ids) -> web.Response:
@@ -297,6 +326,7 @@ class Api:
 
 @web.middleware
 async def json_errors(request: web.Request, handler):
+    """Every error leaves as an OpenAI-style JSON body, never aiohttp's text/plain 500."""
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
@@ -305,6 +335,18 @@ async def json_errors(request: web.Request, handler):
         if exc.status >= 400:
             return error_response(exc.status, exc.reason, code=str(exc.status))
         raise
+    except BodyTimeout as exc:
+        return error_response(408, str(exc), code="body_timeout")
+    except ConnectionError as exc:
+        if request.transport is None or request.transport.is_closing():
+            # the client went away (before or while we answered): its request was aborted, nothing to report
+            log.debug("client %s went away during %s %s: %s", request.remote, request.method, request.path, exc)
+            return web.Response(status=499)
+        log.exception("connection error while serving %s %s", request.method, request.path)
+        return error_response(500, "internal error; see the server log", "server_error", code="internal_error")
+    except Exception:
+        log.exception("error while serving %s %s", request.method, request.path)
+        return error_response(500, "internal error; see the server log", "server_error", code="internal_error")
 
 
 def make_app(engine: Engine) -> web.Application:

@@ -13,7 +13,9 @@ Anything else is 400 with code `unknown_field`.
 """
 from __future__ import annotations
 
-from control_plane.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, ValidationError
+from control_plane.sampling_params import (INT32_MAX, MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                                          MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY,
+                                          ValidationError)
 
 
 def _int(desc: str, minimum: int | None = None, maximum: int | None = None) -> dict:
@@ -46,7 +48,7 @@ def sampling_properties(max_n: int) -> dict:
     return {
         "model": {"type": ["string", "null"], "description": "must name the served model when given"},
         "max_tokens": _int("tokens to generate at most; prompt + max_tokens must fit the context", 1),
-        "temperature": _num("0 is greedy", 0.0, 2.0),
+        "temperature": _num("0 (or below 1e-5) is greedy", 0.0, 2.0),
         "top_p": _num("nucleus mass kept", 0.0, 1.0, exclusive_min=True),
         "n": _int(f"choices returned (at most {max_n}, the server's --max-n)", 1, max_n),
         "stop": {"description": f"up to {MAX_STOP_STRINGS} non-empty strings that end a choice",
@@ -61,15 +63,17 @@ def sampling_properties(max_n: int) -> dict:
         # extensions (as in vLLM)
         "best_of": _int(f"sequences generated, the n most likely returned (at most {max_n}); the beam width "
                         "with use_beam_search", 1, max_n),
-        "top_k": _int("-1: all tokens", -1),
+        "top_k": _int("-1: all tokens", -1, INT32_MAX),
         "min_p": _num("drop tokens below min_p * p(most likely)", 0.0, 1.0),
-        "repetition_penalty": _num("HF-style, over prompt and output", 0.0, exclusive_min=True),
+        "repetition_penalty": _num("HF-style, over prompt and output", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
         "min_tokens": _int("stop tokens are banned until this many are generated (<= max_tokens)", 0),
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
-                           "description": "token ids that end a choice"},
+                           "maxItems": MAX_STOP_TOKEN_IDS,
+                           "description": "token ids that end a choice (each inside the vocabulary)"},
         "ignore_eos": _bool("go on past the end-of-sequence token"),
         "use_beam_search": _bool("beam search of width best_of (default n); not with stream"),
-        "length_penalty": _num("beam scores are divided by length ** length_penalty"),
+        "length_penalty": _num("beam scores are divided by length ** length_penalty", -MAX_LENGTH_PENALTY,
+                               MAX_LENGTH_PENALTY),
         "early_stopping": {"description": "beam search: true, false or \"never\", as in transformers",
                            "anyOf": [{"type": ["boolean", "null"]}, {"const": "never"}]},
         "priority": _int("lower runs first and is preempted last", -(2**31), 2**31 - 1),

@@ -15,11 +15,25 @@ Scores are kept in float32 like transformers' tensors, so that ties break the sa
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 NEG = np.float32(-1.0e9)
+_MAX_LOG = 700.0   # exp(700) is about 1e304: the largest power float64 holds with room to spare
+
+
+def length_divisor(length: int, length_penalty: float) -> np.float32:
+    """length ** length_penalty as float32 (what transformers divides by). An exponent past float64's
+    range is clamped in log space instead of raising OverflowError; a value past float32's becomes
+    inf, which divides a score into -0.0: a degenerate but valid ranking, never a crash."""
+    try:
+        value = float(length) ** length_penalty
+    except OverflowError:
+        value = math.exp(max(-_MAX_LOG, min(_MAX_LOG, length_penalty * math.log(length))))
+    with np.errstate(over="ignore"):
+        return np.float32(value)
 
 
 @dataclass
@@ -77,12 +91,14 @@ class BeamSearch:
 
         all_finished = len(self.finished) >= self.width
         if self.improvable and not (all_finished and self.early_stopping is True):
-            penalty = np.float32(length ** self.length_penalty)
+            penalty = length_divisor(length, self.length_penalty)
             for i in range(min(self.width, len(top))):
                 if hits[i]:
                     score, sid, tok = top[i]
                     reason = "stop" if tok in self.stop_ids else "length"
-                    self.finished.append(Hypothesis(float(np.float32(score / penalty)), output_ids[sid] + [tok],
+                    with np.errstate(divide="ignore", over="ignore"):
+                        penalized = float(np.float32(score / penalty))
+                    self.finished.append(Hypothesis(penalized, output_ids[sid] + [tok],
                                                     float(score), reason))
             self.finished.sort(key=lambda h: -h.score)
             del self.finished[self.width:]
@@ -94,7 +110,8 @@ class BeamSearch:
             best_length = self.max_tokens
         else:
             best_length = length
-        best_running = np.float32(next_beams[0].score / np.float32(best_length ** self.length_penalty))
+        with np.errstate(divide="ignore", over="ignore"):
+            best_running = np.float32(next_beams[0].score / length_divisor(best_length, self.length_penalty))
         worst_finished = self.finished[-1].score if len(self.finished) >= self.width else float(NEG)
         self.improvable = self.improvable and bool(best_running > worst_finished)
         done = (not self.improvable or (len(self.finished) >= self.width and self.early_stopping is True)

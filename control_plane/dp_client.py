@@ -1,22 +1,51 @@
-"""The control plane's end of the ZeroMQ link: a DEALER socket, one request in flight at a time."""
+"""The control plane's end of the ZeroMQ link: a DEALER socket, one request in flight at a time.
+
+The link is watched two ways, so that /health follows it within a second of a death:
+- a ZeroMQ socket monitor reports the disconnect of a data plane whose process ends (its
+  socket closes, whatever the transport); `link_up` reads it;
+- ZMTP heartbeats (answered by the peer's I/O thread even while it computes a long step)
+  close the link to a peer that goes silent without closing (SIGSTOP, a lost network).
+
+Ownership: the first handshake makes this control plane the data plane's owner and gives it a
+token; every later HELLO (after a reconnect) carries it. A data plane owned by another live
+control plane answers ERROR: `handshake` keeps asking for a few seconds (the other one may be
+gone, and its link not yet closed) and then raises DataPlaneRefused.
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from typing import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared import curve
 from shared import protocol as P
 
 log = logging.getLogger("pagedserve.control_plane")
 POLL_SLICE_SECONDS = 0.5
+HEARTBEAT_IVL_MS = 1000       # ZMTP pings on the link ...
+# ... and how long a silent peer has before the link is closed: generous, because a false alarm
+# costs a restart of the data plane, and a loaded machine can starve its I/O thread for seconds
+HEARTBEAT_TIMEOUT_MS = 10000
+# a refused handshake is tried again this long: the owner may be frozen, and the data plane
+# closes its link only after its own heartbeat timeout (data_plane/worker.py, also 10 s)
+REFUSAL_GRACE_SECONDS = 12.0
+HELLO_RETRY_SECONDS = 0.5
+LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class DataPlaneDead(RuntimeError):
     """The data plane did not answer in time, or answered nonsense."""
+
+
+class DataPlaneRefused(DataPlaneDead):
+    """The data plane serves another control plane (its owner) and refused this one."""
 
 
 class DataPlaneClient:
@@ -25,22 +54,63 @@ class DataPlaneClient:
         # CURVE: the link is encrypted and the data plane admits us only with the client key
         self.curve = curve.load_client_keys(curve_keys) if curve_keys else None
         self.alive_check: Callable[[], bool] | None = None   # False once the data-plane process is gone
+        self.token: str | None = None     # our owner token, once a handshake gave us one
+        self._link_up = False             # the monitor's view: a ZMTP session is established
+        self.link_drops = 0               # disconnects seen so far
         self.ctx = zmq.asyncio.Context.instance()
+        # the monitor is read synchronously, in order, whenever the link's state matters: its events
+        # precede any message of the connection they describe, so no stale event can follow a reply
+        self._sync_ctx = zmq.Context.shadow(self.ctx.underlying)
         self.sock = None
+        self._monitor = None
         self._connect()
 
     def _connect(self) -> None:
         if self.sock is not None:
+            self._stop_monitor()
             self.sock.close(0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if self.curve is not None:
             curve.secure_client(self.sock, self.curve)
+        address = f"inproc://dp-monitor-{uuid.uuid4().hex}"
+        self.sock.monitor(address, LINK_EVENTS)
+        self._monitor = self._sync_ctx.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
         self.sock.connect(self.address)
+        self._link_up = False
 
-    async def _request(self, kind: str, message, expect: str, timeout: float):
+    def _stop_monitor(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+
+    @property
+    def link_up(self) -> bool:
+        """Whether a session with the data plane is established now (reads the monitor's news)."""
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return self._link_up
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._link_up = True
+            elif self._link_up:   # a disconnect, or a failed ZMTP/CURVE handshake
+                self._link_up = False
+                self.link_drops += 1
+                log.error("the link to the data plane at %s is down", self.address)
+
+    async def _request(self, kind: str, message, expect: str, timeout: float, resend_on_drop: bool = False):
+        if not resend_on_drop and not self.link_up and self.link_drops:
+            raise DataPlaneDead(f"the link to the data plane at {self.address} is down")
         await self.sock.send(P.encode(kind, message))
+        drops = self.link_drops
         deadline = time.monotonic() + timeout
         while True:
             # wait in short slices, so that a data-plane process seen dead ends the wait at once
@@ -49,6 +119,13 @@ class DataPlaneClient:
                 self._connect()  # drop whatever the dead peer may still send late
                 why = f"within {timeout:.0f}s" if remaining <= 0 else "(its process exited)"
                 raise DataPlaneDead(f"no {expect} from the data plane at {self.address} {why}")
+            up = self.link_up   # reads the monitor's news
+            if self.link_drops != drops:
+                if not resend_on_drop:   # what we sent, or its answer, went down with the link
+                    raise DataPlaneDead(f"the link to the data plane at {self.address} dropped")
+                if up:                   # back: say it again, the first one may be lost
+                    drops = self.link_drops
+                    await self.sock.send(P.encode(kind, message))
             if not await self.sock.poll(min(remaining, POLL_SLICE_SECONDS) * 1000):
                 continue
             try:
@@ -58,10 +135,31 @@ class DataPlaneClient:
                 continue
             if got_kind == expect:
                 return reply
-            log.warning("expected %s from the data plane, got %s; dropped", expect, got_kind)
+            if got_kind == P.ERROR:
+                raise DataPlaneRefused(f"the data plane at {self.address} refused: {reply}")
+            # a data plane checks whether its owner's link is up with a PONG; repeated HELLOs get
+            # repeated HANDSHAKEs: both are expected strays
+            level = logging.DEBUG if got_kind in (P.PONG, P.HANDSHAKE) else logging.WARNING
+            log.log(level, "expected %s from the data plane, got %s; dropped", expect, got_kind)
 
-    async def handshake(self, timeout: float) -> P.Handshake:
-        return await self._request(P.HELLO, None, P.HANDSHAKE, timeout)
+    async def handshake(self, timeout: float, refusal_grace: float = REFUSAL_GRACE_SECONDS) -> P.Handshake:
+        deadline = time.monotonic() + timeout
+        refused_at = None
+        while True:
+            try:
+                hs = await self._request(P.HELLO, P.Hello(self.token), P.HANDSHAKE,
+                                         max(deadline - time.monotonic(), 0.0), resend_on_drop=True)
+            except DataPlaneRefused as exc:
+                now = time.monotonic()
+                if refused_at is None:
+                    refused_at = now
+                    log.warning("%s; asking again for up to %.0fs in case its owner is gone", exc, refusal_grace)
+                if now - refused_at >= refusal_grace or now >= deadline:
+                    raise
+                await asyncio.sleep(HELLO_RETRY_SECONDS)
+                continue
+            self.token = hs.owner_token
+            return hs
 
     async def step(self, plan: P.StepPlan, timeout: float) -> P.StepResult:
         while True:
@@ -80,4 +178,5 @@ class DataPlaneClient:
             pass
 
     def close(self) -> None:
+        self._stop_monitor()
         self.sock.close(0)

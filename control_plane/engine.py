@@ -17,9 +17,10 @@ from control_plane.output_processor import OutputProcessor
 from control_plane.plan_builder import build_plan
 from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request
-from control_plane.sampling_params import SamplingParams, ValidationError
+from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
 from control_plane.scheduler import Scheduler, SchedulerLoad
 from control_plane.sequence import Sequence
+from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
 from shared.protocol import Handshake
 
@@ -49,7 +50,8 @@ class Engine:
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
-        self.data_plane_alive = True
+        self._answering = True   # False from a failed exchange until the data plane answers a handshake
+        self.isolation = FailureIsolation(self)   # a failed step fails only the request that caused it
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         self.stats = metrics.EngineStats(config.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.stats, tokenizer, self.eos_token_ids,
@@ -89,22 +91,39 @@ class Engine:
                 "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
                 "integrity": integrity}
 
+    @property
+    def data_plane_alive(self) -> bool:
+        """What /health reports: the data plane answers, and the link to it is up (the client's
+        socket monitor sees a disconnect at once; a lost link is re-established at the next ping)."""
+        return self._answering and getattr(self.client, "link_up", True)
+
+    @data_plane_alive.setter
+    def data_plane_alive(self, value: bool) -> None:
+        self._answering = value
+
     # --- requests ---------------------------------------------------------------------
     @property
     def pool_capacity_tokens(self) -> int:
-        return self.hs.num_device_blocks * self.hs.block_size
+        """Tokens one sequence can ever hold: the pool less the blocks admission keeps free."""
+        return (self.hs.num_device_blocks - self.scheduler.watermark_blocks) * self.hs.block_size
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_length(self, num_prompt_tokens: int, max_tokens: int, width: int = 1) -> None:
         limit = self.hs.max_model_len
         if num_prompt_tokens + max_tokens > limit:
             raise ValidationError(
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
                 f"context of {limit} tokens; shorten the prompt or lower max_tokens", "max_tokens",
                 "context_length_exceeded")
-        if num_prompt_tokens + max_tokens > self.pool_capacity_tokens:
+        bs = self.hs.block_size
+        needed = num_prompt_tokens + max_tokens
+        if width > 1:   # the sequences share the prompt's blocks; each may own its tail plus one copy
+            needed = -(-num_prompt_tokens // bs) * bs + width * (-(-max_tokens // bs) + 1) * bs
+        if needed > self.pool_capacity_tokens:
             raise ValidationError(
-                f"the prompt plus max_tokens ({num_prompt_tokens + max_tokens} tokens) can never fit the KV "
-                f"pool of {self.pool_capacity_tokens} tokens", "max_tokens", "context_length_exceeded")
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) for {width} "
+                f"sequence{'s' if width > 1 else ''} needs {-(-needed // bs)} KV blocks of {bs} tokens; this "
+                f"server's pool gives one request at most {self.pool_capacity_tokens // bs}, so it can never "
+                "run: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -113,7 +132,8 @@ class Engine:
         if bad:
             raise ValidationError(f"token ids out of the vocabulary [0, {self.hs.vocab_size}): {bad[:5]}",
                                   "prompt", "invalid_token_id")
-        self.check_length(len(prompt_ids), params.max_tokens)
+        check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
+        self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
@@ -130,6 +150,7 @@ class Engine:
             req.beam.start(seq.seq_id)
         self.outputs.register(req, seq)
         self.scheduler.add(seq)
+        self.isolation.admitted(req)
         self.stats.on_arrival(len(prompt_ids))
         self._wakeup.set()
         return req
@@ -164,6 +185,7 @@ class Engine:
             if now - last_log >= self.config.log_interval:
                 self._log_progress(now - last_log)
                 last_log = now
+            self.isolation.release()
             if not self.scheduler.has_work():
                 self._wakeup.clear()
                 try:
@@ -191,6 +213,7 @@ class Engine:
                     self.hs = await self.client.handshake(self.config.step_timeout + RESTART_SECONDS)
                 except DataPlaneDead as again:
                     log.error("%s", again)
+                    await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
                     continue
                 self._requeue_all()
                 self.data_plane_alive = True
@@ -210,6 +233,7 @@ class Engine:
         log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:
+        self.isolation.release()
         out = self.scheduler.schedule()
         sched = self.scheduler
         if out.is_empty and not sched.running and (sched.swapped or sched.waiting):
@@ -231,11 +255,9 @@ class Engine:
                             result.forward_seconds)
         if result.error:
             log.error("step %d failed on the data plane: %s", plan.step_id, result.error)
-            for s in out.scheduled:
-                req = self.owners.get(s.seq.seq_id)
-                if req is not None and not req.finished:
-                    self.outputs.fail(req, result.error)
+            self.isolation.on_failure(out, result.error)
             return
+        self.isolation.on_success(out)
         self.scheduler.on_step_done(out)
         self.outputs.apply(result.sampled)
 

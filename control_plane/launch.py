@@ -78,7 +78,7 @@ def spawn(args, num: int) -> tuple[list[str], list[SpawnedDataPlane]]:
 async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlane | None, stop: asyncio.Event):
     """(client, handshake) once the data plane at `address` answers; (None, None) if `stop` is set
     first. Raises SystemExit if `child`, the process meant to answer, exits before it does."""
-    from control_plane.dp_client import DataPlaneClient
+    from control_plane.dp_client import DataPlaneClient, DataPlaneRefused
     client = DataPlaneClient(address, cp.curve_keys)
     task = asyncio.ensure_future(client.handshake(HANDSHAKE_TIMEOUT))
     while not task.done():
@@ -92,7 +92,12 @@ async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlan
             await client.shutdown()
             client.close()
             return None, None
-    hs = task.result()
+    try:
+        hs = task.result()
+    except DataPlaneRefused as exc:   # another control plane owns it: it keeps it, we leave
+        client.close()
+        log.error("%s", exc)
+        raise SystemExit(f"pagedserve: {exc}") from None
     if child is not None:
         client.alive_check = child.alive
     return client, hs

@@ -1,6 +1,12 @@
-"""Sampling parameters of a request, validated from an OpenAI-style body."""
+"""Sampling parameters of a request, validated from an OpenAI-style body.
+
+Every number of a body passes `_number`: one place that refuses non-finite floats (JSON's 1e400
+parses to inf) and integers beyond what msgpack's 64-bit ints and the engine's arithmetic carry.
+Each field also has its own range, chosen so that the sampler and the beam scores stay finite.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shared.protocol import SamplingSpec, draw_seed
@@ -8,6 +14,15 @@ from shared.protocol import SamplingSpec, draw_seed
 # limits of a request body; control_plane.api_schema publishes the same numbers
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+
+
+INT64_MAX = 2**63 - 1   # msgpack carries at most a signed 64-bit int (seed: the wire's largest)
+INT32_MAX = 2**31 - 1   # counts and token ids: far above any vocabulary or context
+GREEDY_TEMPERATURE = 1e-5   # below this, logits / temperature overflows float32: sample greedily
+MAX_LENGTH_PENALTY = 10.0   # length ** 10 stays finite in float64 for any context length
+MAX_REPETITION_PENALTY = 100.0   # logits * 100 stay far inside float32
+MIN_REPETITION_PENALTY = 0.01    # logits / 0.01 likewise
+MAX_STOP_TOKEN_IDS = 1024   # the sampler bans them row by row; beams ask for (1 + this) * width candidates
 
 
 class ValidationError(ValueError):
@@ -65,12 +80,33 @@ class SamplingParams:
                             self.min_tokens, stop_ids, self.logprobs or 0, first_draws, 0)
 
 
+def check_for_model(params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> None:
+    """What only the model's facts can check, before the request is queued: token ids inside the
+    vocabulary, and a beam's candidate count (the data plane's top-k) no larger than it."""
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValidationError(f"'stop_token_ids' outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                              "stop_token_ids", "invalid_token_id")
+    if params.use_beam_search:
+        k = params.spec(eos_token_ids).logprobs
+        if k > vocab_size:
+            raise ValidationError(
+                f"beam search of width {params.best_of} with {len(params.stop_ids(eos_token_ids))} stop token ids "
+                f"needs {k} candidates per beam, more than the vocabulary of {vocab_size}; use fewer stop "
+                "token ids or a narrower beam", "stop_token_ids")
+
+
 def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_open=False):
+    """The one check of a numeric field: its type, finite, within 64-bit range, then [lo, hi]."""
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise ValidationError(f"'{name}' must be {'a number' if kind is float else 'an integer'}", name, "invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValidationError(f"'{name}' must be a finite number", name)
+    if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValidationError(f"'{name}' is out of the 64-bit integer range", name)
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise ValidationError(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value}", name)
     if hi is not None and value > hi:
@@ -91,24 +127,27 @@ def flag(body: dict, name: str) -> bool:
 def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, chat: bool = False) -> SamplingParams:
     max_tokens_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     p = SamplingParams()
-    p.max_tokens = _number(body, max_tokens_key, default_max_tokens, int, lo=1)
+    p.max_tokens = _number(body, max_tokens_key, default_max_tokens, int, lo=1, hi=INT32_MAX)
     p.temperature = _number(body, "temperature", 1.0, float, lo=0.0, hi=2.0)
+    if p.temperature < GREEDY_TEMPERATURE:
+        p.temperature = 0.0   # 1e-308 would divide the logits into inf and NaN: it means greedy
     p.top_p = _number(body, "top_p", 1.0, float, lo=0.0, hi=1.0, lo_open=True)
-    p.top_k = _number(body, "top_k", -1, int, lo=-1)
+    p.top_k = _number(body, "top_k", -1, int, lo=-1, hi=INT32_MAX)
     p.min_p = _number(body, "min_p", 0.0, float, lo=0.0, hi=1.0)
     seed = body.get("seed")
     if seed is not None:
         p.seed = _number(body, "seed", None, int, lo=0, hi=2**63 - 1)
     p.presence_penalty = _number(body, "presence_penalty", 0.0, float, lo=-2.0, hi=2.0)
     p.frequency_penalty = _number(body, "frequency_penalty", 0.0, float, lo=-2.0, hi=2.0)
-    p.repetition_penalty = _number(body, "repetition_penalty", 1.0, float, lo=0.0, lo_open=True)
-    p.min_tokens = _number(body, "min_tokens", 0, int, lo=0)
+    p.repetition_penalty = _number(body, "repetition_penalty", 1.0, float, lo=MIN_REPETITION_PENALTY,
+                                   hi=MAX_REPETITION_PENALTY)
+    p.min_tokens = _number(body, "min_tokens", 0, int, lo=0, hi=INT32_MAX)
     p.priority = _number(body, "priority", 0, int, lo=-(2**31), hi=2**31 - 1)
     if p.min_tokens > p.max_tokens:
         raise ValidationError(f"'min_tokens' ({p.min_tokens}) must not exceed max_tokens ({p.max_tokens})",
                               "min_tokens")
-    p.n = _number(body, "n", 1, int, lo=1)
-    p.best_of = _number(body, "best_of", p.n, int, lo=1)
+    p.n = _number(body, "n", 1, int, lo=1, hi=INT32_MAX)
+    p.best_of = _number(body, "best_of", p.n, int, lo=1, hi=INT32_MAX)
     for name, value in (("n", p.n), ("best_of", p.best_of)):
         if value > max_n:
             raise ValidationError(f"'{name}' is {value}, over this server's limit of {max_n} sequences per "
@@ -116,7 +155,7 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
     if p.best_of < p.n:
         raise ValidationError(f"'best_of' ({p.best_of}) must be at least n ({p.n})", "best_of")
     p.use_beam_search = flag(body, "use_beam_search")
-    p.length_penalty = _number(body, "length_penalty", 1.0, float)
+    p.length_penalty = _number(body, "length_penalty", 1.0, float, lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)
     early = body.get("early_stopping")
     early = False if early is None else early
     if not (isinstance(early, bool) or early == "never"):
@@ -139,6 +178,12 @@ def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, ch
                                                  for t in stop_ids):
         raise ValidationError("'stop_token_ids' must be a list of non-negative integers", "stop_token_ids",
                               "invalid_type")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValidationError(f"'stop_token_ids' has {len(stop_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are "
+                              "accepted", "stop_token_ids")
+    if any(t > INT32_MAX for t in stop_ids):   # beyond any vocabulary (checked against it at admission)
+        raise ValidationError("'stop_token_ids' holds an id beyond any vocabulary", "stop_token_ids",
+                              "invalid_token_id")
     p.stop_token_ids = stop_ids
     p.logprobs = _parse_logprobs(body, chat)
     return p

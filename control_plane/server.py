@@ -61,8 +61,10 @@ async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Ev
     from aiohttp import web
 
     from control_plane.api import make_app
-    runner = web.AppRunner(make_app(engine), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
+    from control_plane.http_guard import GuardedAppRunner
+    # header, body and keep-alive read timeouts: slow clients cannot hold connections
+    runner = GuardedAppRunner(make_app(engine), handler_cancellation=True, access_log=None,
+                              shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, cp.host, cp.port).start()
     log.info("serving %s on http://%s:%d%s", cp.model_name, cp.host, cp.port, what)

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(config.device)
     log = logging.getLogger("pagedserve.data_plane")
     log.info("loading %s (%s) on %s", config.model, config.dtype, device)
-    model = load_model(config, device)
     try:
+        model = load_model(config, device)   # refuses a model it cannot serve exactly
         runner = ModelRunner(model, config, device)
-    except C.ConfigError as exc:   # settings that only the device can refuse (block size with Triton)
+    except C.ConfigError as exc:   # that refusal, or settings only the device can refuse (block size with Triton)
         print(f"pagedserve data-plane: {exc}", file=sys.stderr)
         return 2
     from data_plane import metrics

@@ -3,12 +3,17 @@
 The model runner installs one StepContext per forward pass (`use_step_context`); every
 attention layer reads the step's metadata from it instead of having it threaded through
 the model's call chain. transformers calls `paged_attention_forward` with query, key and
-value after rotary embedding, shaped [1, heads, tokens, head_dim] for our flattened batch.
+value after rotary embedding, shaped [1, heads, tokens, head_dim] for our flattened batch,
+plus the layer's own `sliding_window` (keys within that many positions, the query's own
+included) and `softcap` (Gemma 2's attention logit soft-cap) when the model has them.
+
+`record_calls` replaces the paged path by a recorder for one forward pass: data_plane/model_support.py
+uses it at start to see how a model calls attention, before serving anything.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +32,21 @@ class StepContext:
     max_query_len: int
 
 
+@dataclass
+class AttentionCall:
+    """What one attention layer passed to the interface (recorded by `record_calls`)."""
+    layer_idx: int | None
+    query_shape: tuple
+    key_shape: tuple
+    value_shape: tuple
+    scaling: float | None
+    sliding_window: int | None
+    softcap: float | None
+    other_kwargs: dict = field(default_factory=dict)   # every other keyword that is not None
+
+
 _current: StepContext | None = None
+_recording: list[AttentionCall] | None = None
 
 
 @contextlib.contextmanager
@@ -40,7 +59,21 @@ def use_step_context(ctx: StepContext):
         _current = previous
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+@contextlib.contextmanager
+def record_calls():
+    """Attention calls made inside are recorded, not computed (they return zeros)."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window=None, softcap=None, **kwargs):
+    if _recording is not None:
+        return _record(module, query, key, value, scaling, sliding_window, softcap, kwargs)
     ctx = _current
     assert ctx is not None, "pagedserve attention called outside a step context"
     assert query.shape[0] == 1, "pagedserve runs one flattened row of tokens"
@@ -52,8 +85,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                          scale, ctx.max_query_len)
+                          scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
+
+
+def _record(module, query, key, value, scaling, sliding_window, softcap, kwargs):
+    other = {k: v for k, v in kwargs.items() if v is not None}
+    _recording.append(AttentionCall(getattr(module, "layer_idx", None), tuple(query.shape), tuple(key.shape),
+                                    tuple(value.shape), scaling, sliding_window, softcap, other))
+    batch, heads, tokens, _ = query.shape
+    return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
 
 
 def _no_mask(*args, **kwargs):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, sampler
+from data_plane import attention, kv_pool, model_support, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -44,12 +44,24 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(config: DataPlaneConfig, device: torch.device):
-    from transformers import AutoModelForCausalLM
+    """The model on `device`, or model_support.UnsupportedModel (a ConfigError) naming the architecture
+    and why pagedserve cannot serve it exactly; the config is checked before any weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     folder, gguf_file = split_model_path(config.model)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, dtype=getattr(torch, config.dtype),
-        attn_implementation=attention.register())
-    return model.to(device).eval()
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    model_support.check_config(hf_config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_file, dtype=getattr(torch, config.dtype),
+            attn_implementation=attention.register())
+    except KeyError as exc:
+        refusal = model_support.load_refusal(model_support.architecture(hf_config), exc)
+        if refusal is None:
+            raise
+        raise refusal from None
+    model = model.to(device).eval()
+    model_support.check_model(model)
+    return model
 
 
 class ModelRunner:
@@ -81,6 +93,8 @@ class ModelRunner:
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
         self.max_model_len = min(model_max, config.max_model_len or model_max)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
+        self.final_logits = model_support.check_model(model).final_logits
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
@@ -213,7 +227,7 @@ class ModelRunner:
         if not sample_rows:
             return [], ids.shape[1]
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
-        logits = self.model.get_output_embeddings()(hidden.index_select(0, rows))
+        logits = self.final_logits(hidden.index_select(0, rows))
         sample_inputs = []
         for seq_id, _ in sample_rows:
             st = self.seqs[seq_id]

@@ -79,14 +79,11 @@ class LeaderWorker(Worker):
         except (dist.DistError, RuntimeError) as exc:
             die(self.comm, exc)
 
-    def handle(self, peer: bytes, frame: bytes) -> bool:
-        try:
-            kind, _ = P.decode(frame)
-        except P.ProtocolError:
-            kind = None     # the worker logs and drops it
+    def on_message(self, peer: bytes, kind: str, message, frame: bytes) -> bool:
+        # only the owner's frames get here (the worker checks): others never reach the followers
         if kind in FORWARDED:
             self._send(frame)
-        keep_going = super().handle(peer, frame)
+        keep_going = super().on_message(peer, kind, message, frame)
         self._export_comm()
         return keep_going
 

@@ -37,3 +37,17 @@ def kv_row_offsets(table_row, pos, valid, stride_cb, stride_ct, BLOCK_SIZE: tl.c
     """
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     return block * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ct
+
+
+@triton.jit
+def soft_cap(scores, softcap):
+    """softcap * tanh(scores / softcap) (Gemma 2's attention logit cap), tanh from exp: the interpreter
+    and every backend have exp; 1 - 2 / (e^2x + 1) saturates to +-1 without overflow trouble."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
+
+def score_args(scale: float, sliding_window: int | None, softcap: float | None) -> tuple[float, float, int]:
+    """The kernels' (qk_scale, softcap, window) arguments: softmax runs in base 2, so without a cap
+    the log2(e) factor folds into the scale; with one, the cap applies to the natural score and
+    log2(e) after it. 0 means no cap, no window."""
+    return (scale if softcap else scale * LOG2E), float(softcap or 0.0), int(sliding_window or 0)

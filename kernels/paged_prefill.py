@@ -22,6 +22,9 @@ the causal mask; the rest (up to the tile's last query position) run with it:
 
     keys:  [0 ............ full_end)[full_end .... kv_end)
             no mask (most of a long prefix)   causal mask
+
+With a sliding window W a query at position i sees keys i - W < j <= i: the scan starts at the tile's
+lowest visible key, ctx + q0 - W + 1, and both ranges also mask keys below each row's window.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2
+from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2, score_args, soft_cap
 
 # (rows = query tokens x group heads, keys per inner step, warps, pipeline stages) per program.
 # float32 runs its "ieee" tl.dot on FMA units: register-hungry, it spills a little on sm_90 at any
@@ -42,9 +45,9 @@ MIN_BLOCK_S = 256
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, hi, qk_scale,
-            stride_cb, stride_ct, d, dmask,
+            softcap, window, stride_cb, stride_ct, d, dmask,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-            CAUSAL: tl.constexpr):
+            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Online-softmax step over keys [lo, hi) of one sequence (hi <= its length)."""
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -53,10 +56,14 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, 
         k = tl.load(k_cache + rows[None, :] + d[:, None], mask=valid[None, :] & dmask[:, None],
                     other=0.0).to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        if HAS_SOFTCAP:
+            scores = soft_cap(scores, softcap) * LOG2E
+        keep = valid[None, :]  # without CAUSAL only the tail of the last step can be past hi
         if CAUSAL:
-            scores = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], scores, float("-inf"))
-        else:  # only the tail of the last step can be past hi
-            scores = tl.where(valid[None, :], scores, float("-inf"))
+            keep = keep & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         prob = tl.exp2(scores - m_new[:, None])
@@ -70,13 +77,14 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, 
 
 # Runtime-varying integers are not specialized (see kernels/paged_decode.py): no recompiles as the
 # batch and the block-table width change from step to step.
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "window"])
 def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_tiles, out,
-                    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    qk_scale, softcap, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_ct, stride_ch, num_seqs, group, head_dim,
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     # tile -> sequence (see the module docstring)
@@ -115,20 +123,25 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start
     head_off = kvh.to(tl.int64) * stride_ch
     full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N
     kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, 0, full_end,
-                            qk_scale, stride_cb, stride_ct, d, dmask,
-                            BLOCK_SIZE, BLOCK_N, DOT_PREC, False)
+    lo = 0
+    if HAS_WINDOW:  # the tile's first row (ctx + q0) sees keys from ctx + q0 - window + 1 on
+        lo = tl.maximum(0, ctx + q0 - window + 1)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, full_end,
+                            qk_scale, softcap, window, stride_cb, stride_ct, d, dmask,
+                            BLOCK_SIZE, BLOCK_N, DOT_PREC, False, HAS_WINDOW, HAS_SOFTCAP)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, full_end, kv_end,
-                            qk_scale, stride_cb, stride_ct, d, dmask,
-                            BLOCK_SIZE, BLOCK_N, DOT_PREC, True)
+                            qk_scale, softcap, window, stride_cb, stride_ct, d, dmask,
+                            BLOCK_SIZE, BLOCK_N, DOT_PREC, True, HAS_WINDOW, HAS_SOFTCAP)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              res.to(out.dtype.element_ty), mask=io_mask)
 
 
 def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                  max_query_len: int | None = None) -> None:
-    """Causal varlen attention into `out`; any q_len >= 0 per sequence."""
+                  max_query_len: int | None = None, sliding_window: int | None = None,
+                  softcap: float | None = None) -> None:
+    """Causal varlen attention into `out`; any q_len >= 0 per sequence. sliding_window and softcap as
+    in ops.attention.paged_attention."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -148,10 +161,10 @@ def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
     precision, upcast = dot_config(query.dtype, query.device)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_tiles, out,
-        scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        *score_args(scale, sliding_window, softcap), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_seqs, group, head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=next_pow2(head_dim), BLOCK_S=max(MIN_BLOCK_S, next_pow2(num_seqs)), UPCAST=upcast,
-        DOT_PREC=precision,
+        DOT_PREC=precision, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         num_warps=num_warps, num_stages=num_stages)

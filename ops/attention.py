@@ -77,33 +77,42 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                    scale: float, max_query_len: int | None = None, *, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of query [tokens, heads, head_dim] over the paged cache; returns the same shape.
 
     block_tables: int32 [seqs, max_blocks] (unused entries any value, conventionally 0);
     seq_lens: int32 [seqs], context length including this step's tokens;
     query_start_loc: int32 [seqs + 1], cumulative query lengths.
     max_query_len: the longest query of the batch if the caller knows it (1 means pure decode).
+    sliding_window: W > 0 lets the query at position i see only keys i - W < j <= i (transformers'
+        convention: W positions, its own included); None or 0: the whole causal context.
+    softcap: c > 0 turns each scaled score s into c * tanh(s / c) before the softmax (Gemma 2).
     """
     _check_cache(k_cache, v_cache)
     assert query.dim() == 3 and query.shape[2] == k_cache.shape[3], "query must be [tokens, heads, head_dim]"
     assert query.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of kv heads"
     num_seqs = seq_lens.shape[0]
     assert block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if softcap is not None and softcap < 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    sliding_window, softcap = sliding_window or None, softcap or None
     if use_triton(query.device):
         from kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                      scale, max_query_len)
+                                      scale, max_query_len, sliding_window=sliding_window, softcap=softcap)
     kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
     if kernel is not None:
         return _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                    scale, max_query_len)
+                                    scale, max_query_len, sliding_window, softcap)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                     scale, max_query_len)
+                                     scale, max_query_len, sliding_window, softcap)
 
 
 def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                         max_query_len):
+                         max_query_len, sliding_window=None, softcap=None):
     """Decode rows (one query token) in the C++ kernel, straight from the blocks; prompt and chunk
     rows through the reference, whose causal SDPA over a gathered context is already efficient."""
     out = torch.empty_like(query)
@@ -112,13 +121,14 @@ def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens
     decode = torch.nonzero(q_lens == 1).squeeze(1)
     if decode.numel():
         rows = torch.stack([starts[:-1].index_select(0, decode), decode], dim=1).contiguous()
+        # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(),
                             block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
-                            rows, float(scale))
+                            rows, float(scale), int(sliding_window or 0), float(softcap or 0.0))
     if max_query_len is None or max_query_len > 1:
         seq_len_list, start_list = seq_lens.tolist(), starts.tolist()
         for s in torch.nonzero(q_lens > 1).squeeze(1).tolist():
             begin, end = start_list[s], start_list[s + 1]
             out[begin:end] = reference.extend_one(query[begin:end], k_cache, v_cache, block_tables[s],
-                                                  seq_len_list[s], scale)
+                                                  seq_len_list[s], scale, sliding_window, softcap)
     return out

@@ -50,7 +50,26 @@ def _length_buckets(rows: list[int], seq_lens_list: list[int]) -> list[list[int]
     return buckets
 
 
-def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, scale):
+def _attend(q, keys, values, mask, scale, softcap=None, is_causal=False):
+    """SDPA over [batch, heads, q_len, dim] with GQA; with a soft-cap (Gemma 2), explicitly: the
+    scaled scores go through cap * tanh(scores / cap) before the mask and the softmax."""
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)
+
+
+def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, scale, sliding_window=None,
+                  softcap=None):
     """One query token per sequence: gather the contexts padded to the longest, mask the padding."""
     block_size = k_cache.shape[1]
     max_len = max(seq_lens_list[r] for r in rows)
@@ -64,34 +83,36 @@ def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, sc
     values = v_cache.index_select(0, tables).view(num, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
     lens = torch.tensor([seq_lens_list[r] for r in rows], device=query.device)
     positions = torch.arange(max_blocks * block_size, device=query.device)
-    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    mask = positions[None, :] < lens[:, None]
+    if sliding_window:   # the query sits at len - 1 and sees the window ending there
+        mask &= positions[None, :] >= lens[:, None] - sliding_window
     q = query.unsqueeze(2)  # [seqs, heads, 1, dim]
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
+    out = _attend(q, keys, values, mask[:, None, None, :], scale, softcap)
     return out.squeeze(2)
 
 
-def extend_one(query, k_cache, v_cache, block_table, seq_len, scale):
-    """Several query tokens of one sequence, the last q_len of its context, causally masked."""
+def extend_one(query, k_cache, v_cache, block_table, seq_len, scale, sliding_window=None, softcap=None):
+    """Several query tokens of one sequence, the last q_len of its context, causally masked (and
+    within the sliding window: query at position i sees keys i - window < j <= i)."""
     q_len = query.shape[0]
-    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)[None]
-    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)[None]
+    # keys below the first query's window are seen by no query: not gathered at all
+    first = max(0, seq_len - q_len - sliding_window + 1) if sliding_window else 0
+    keys = gather_context(k_cache, block_table, seq_len)[first:].transpose(0, 1)[None]
+    values = gather_context(v_cache, block_table, seq_len)[first:].transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]  # [1, heads, q_len, dim]
-    if q_len == seq_len:   # a whole prompt: plain causal attention, no explicit mask to build and read
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), is_causal=True,
-                                             scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
+    if q_len == seq_len and not sliding_window:   # a whole prompt: plain causal, no mask to build and read
+        return _attend(q, keys, values, None, scale, softcap, is_causal=True)[0].transpose(0, 1)
     # query i sits at position seq_len - q_len + i and sees keys j <= that position
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    k_pos = torch.arange(seq_len, device=query.device)
+    k_pos = torch.arange(first, seq_len, device=query.device)
     mask = k_pos[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    if sliding_window:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return _attend(q, keys, values, mask, scale, softcap)[0].transpose(0, 1)
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_query_len=None):
+                    max_query_len=None, sliding_window=None, softcap=None):
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     seq_lens_list = seq_lens.tolist()
@@ -102,12 +123,13 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
             decode_rows.append(s)
             decode_tokens.append(start)
         elif end > start:
-            out[start:end] = extend_one(query[start:end], k_cache, v_cache, block_tables[s], seq_len, scale)
+            out[start:end] = extend_one(query[start:end], k_cache, v_cache, block_tables[s], seq_len, scale,
+                                        sliding_window, softcap)
     token_of = dict(zip(decode_rows, decode_tokens))
     for bucket in _length_buckets(decode_rows, seq_lens_list):
         tok = torch.tensor([token_of[r] for r in bucket], dtype=torch.long, device=query.device)
         out[tok] = _decode_batch(query.index_select(0, tok), k_cache, v_cache, block_tables,
-                                 seq_lens_list, bucket, scale)
+                                 seq_lens_list, bucket, scale, sliding_window, softcap)
     return out
 
 

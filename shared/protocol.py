@@ -4,13 +4,18 @@ Every frame is one msgpack array ``[PROTOCOL_VERSION, kind, body]``. Each messag
 plain dataclass with an explicit ``to_wire`` (a msgpack-able list, fields in a fixed order)
 and ``from_wire``; ``encode``/``decode`` wrap them with the version and kind. A frame with an
 unknown version or kind, or that does not decode, raises ProtocolError: the receiver logs
-and drops it.
+and drops it. `decode` accepts any bytes: every body is checked for shape and types here, so
+that a hostile or garbled frame never reaches code that trusts it.
+
+Ownership: a data plane serves one control plane. The first HELLO makes its sender the owner,
+and the HANDSHAKE carries the owner's token; the owner says HELLO with that token when it
+reconnects (a new socket). Anyone else gets an ERROR refusal while the owner's link is up.
 
 Conversation::
 
     control plane                                   data plane
-      HELLO ─────────────────────────────────────────►
-      ◄──────────────────────────────────────── HANDSHAKE (model facts, pool sizes)
+      HELLO (owner token, if it has one) ────────────►
+      ◄──────────────────── HANDSHAKE (model facts, pool sizes, owner token) or ERROR (refused)
       STEP_PLAN ─────────────────────────────────────► swap/copy, forward, sample
       ◄─────────────────────────────────────── STEP_RESULT
       PING ──────────────────────────────────────────► (between steps, as a heartbeat)
@@ -35,6 +40,60 @@ class ProtocolError(ValueError):
     """A frame that cannot be accepted: wrong version, unknown kind, malformed body."""
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not _INT64[0] <= x <= _INT64[1]:
+        raise ProtocolError(f"expected a 64-bit integer, got {type(x).__name__}")
+    return x
+
+
+def _opt_int(x) -> int | None:
+    return None if x is None else _int(x)
+
+
+def _float(x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ProtocolError(f"expected a number, got {type(x).__name__}")
+    return float(x)
+
+
+def _str(x) -> str:
+    if not isinstance(x, str):
+        raise ProtocolError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _list(x, n: int | None = None) -> list:
+    if not isinstance(x, (list, tuple)) or (n is not None and len(x) != n):
+        raise ProtocolError(f"expected a list{'' if n is None else f' of {n}'}, got {type(x).__name__}")
+    return list(x)
+
+
+def _ints(x) -> list[int]:
+    return [_int(v) for v in _list(x)]
+
+
+def _int_tuples(x, n: int) -> list[tuple]:
+    return [tuple(_int(v) for v in _list(t, n)) for t in _list(x)]
+
+
+@dataclass
+class Hello:
+    token: str | None = None   # the owner token of an earlier handshake: "it is me again"
+
+    def to_wire(self) -> list:
+        return [self.token]
+
+    @classmethod
+    def from_wire(cls, body) -> "Hello":
+        if body is None:
+            return cls()
+        (token,) = _list(body, 1)
+        return cls(None if token is None else _str(token))
+
+
 @dataclass
 class Handshake:
     model_id: str            # what the data plane loaded (path or name)
@@ -49,15 +108,20 @@ class Handshake:
     max_model_len: int       # longest sequence (prompt + output) the model accepts
     device: str              # e.g. "cpu" or "cuda:0 (NVIDIA H200)"
     eos_token_ids: list[int] = field(default_factory=list)  # from the model's generation config
+    owner_token: str = ""    # proves ownership when the owner says HELLO again
 
     def to_wire(self) -> list:
         return [self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                 self.dtype, self.block_size, self.num_device_blocks, self.num_cpu_blocks,
-                self.max_model_len, self.device, list(self.eos_token_ids)]
+                self.max_model_len, self.device, list(self.eos_token_ids), self.owner_token]
 
     @classmethod
     def from_wire(cls, body: list) -> "Handshake":
-        return cls(*body)
+        b = _list(body)
+        if len(b) not in (12, 13):
+            raise ProtocolError(f"a handshake has 12 or 13 fields, got {len(b)}")
+        return cls(_str(b[0]), *(_int(v) for v in b[1:5]), _str(b[5]), *(_int(v) for v in b[6:10]),
+                   _str(b[10]), _ints(b[11]), _str(b[12]) if len(b) == 13 else "")
 
 
 @dataclass
@@ -84,7 +148,11 @@ class SamplingSpec:
 
     @classmethod
     def from_wire(cls, body: list) -> "SamplingSpec":
-        return cls(*body)
+        (temperature, top_k, top_p, min_p, seed, presence, frequency, repetition, min_tokens, stop_ids,
+         logprobs, n, beam_width) = _list(body, 13)
+        return cls(_float(temperature), _int(top_k), _float(top_p), _float(min_p), _opt_int(seed), _float(presence),
+                   _float(frequency), _float(repetition), _int(min_tokens), _ints(stop_ids), _int(logprobs), _int(n),
+                   _int(beam_width))
 
 
 def _trim(fields: list, num_optional: int) -> list:
@@ -113,8 +181,9 @@ class NewSequence:
 
     @classmethod
     def from_wire(cls, body: list) -> "NewSequence":
-        *head, sampling = body
-        return cls(*head, SamplingSpec.from_wire(sampling))
+        seq_id, token_ids, num_prompt, num_computed, num_new, block_ids, sampling = _list(body, 7)
+        return cls(_int(seq_id), _ints(token_ids), _int(num_prompt), _int(num_computed), _int(num_new),
+                   _ints(block_ids), SamplingSpec.from_wire(sampling))
 
 
 @dataclass
@@ -136,10 +205,11 @@ class CachedSequence:
 
     @classmethod
     def from_wire(cls, body: list) -> "CachedSequence":
-        if not 2 <= len(body) <= 5:
-            raise ValueError(f"a cached sequence has 2 to 5 fields, got {len(body)}")
-        seq_id, num_new, blocks, tokens, remaps = list(body) + [[]] * (5 - len(body))
-        return cls(int(seq_id), int(num_new), list(blocks), list(tokens), [tuple(r) for r in remaps])
+        b = _list(body)
+        if not 2 <= len(b) <= 5:
+            raise ProtocolError(f"a cached sequence has 2 to 5 fields, got {len(b)}")
+        seq_id, num_new, blocks, tokens, remaps = b + [[]] * (5 - len(b))
+        return cls(_int(seq_id), _int(num_new), _ints(blocks), _ints(tokens), _int_tuples(remaps, 2))
 
 
 @dataclass
@@ -161,10 +231,10 @@ class StepPlan:
 
     @classmethod
     def from_wire(cls, body: list) -> "StepPlan":
-        step_id, new, cached, forget, swap_out, swap_in, copies = body
-        return cls(step_id, [NewSequence.from_wire(s) for s in new], [CachedSequence.from_wire(s) for s in cached],
-                   list(forget), [tuple(p) for p in swap_out], [tuple(p) for p in swap_in],
-                   [tuple(p) for p in copies])
+        step_id, new, cached, forget, swap_out, swap_in, copies = _list(body, 7)
+        return cls(_int(step_id), [NewSequence.from_wire(s) for s in _list(new)],
+                   [CachedSequence.from_wire(s) for s in _list(cached)], _ints(forget), _int_tuples(swap_out, 2),
+                   _int_tuples(swap_in, 2), _int_tuples(copies, 2))
 
 
 def draw_seed(seed: int | None, draw: int) -> int | None:
@@ -186,8 +256,9 @@ class SampledToken:
 
     @classmethod
     def from_wire(cls, body: list) -> "SampledToken":
-        seq_id, token_id, logprob, top = body
-        return cls(seq_id, token_id, logprob, [tuple(t) for t in top])
+        seq_id, token_id, logprob, top = _list(body, 4)
+        return cls(_int(seq_id), _int(token_id), _float(logprob),
+                   [(_int(i), _float(lp)) for i, lp in (_list(t, 2) for t in _list(top))])
 
 
 @dataclass
@@ -205,11 +276,24 @@ class StepResult:
 
     @classmethod
     def from_wire(cls, body: list) -> "StepResult":
-        step_id, sampled, *rest = body
-        return cls(step_id, [SampledToken.from_wire(s) for s in sampled], *rest)
+        step_id, sampled, num_tokens, forward_seconds, swap_seconds, error = _list(body, 6)
+        return cls(_int(step_id), [SampledToken.from_wire(s) for s in _list(sampled)], _int(num_tokens),
+                   _float(forward_seconds), _float(swap_seconds), None if error is None else _str(error))
 
 
-_BODY_TYPES = {HANDSHAKE: Handshake, STEP_PLAN: StepPlan, STEP_RESULT: StepResult}
+def _no_body(body) -> None:
+    if body is not None:
+        raise ProtocolError("this kind of frame has no body")
+
+
+def _error_text(body) -> str:
+    return _str(body)[:4096]
+
+
+# how each kind's body is read; every reader raises on a body of the wrong shape or types
+_BODY_TYPES = {HELLO: Hello.from_wire, HANDSHAKE: Handshake.from_wire, STEP_PLAN: StepPlan.from_wire,
+               STEP_RESULT: StepResult.from_wire, PING: _no_body, PONG: _no_body, SHUTDOWN: _no_body,
+               ERROR: _error_text}
 
 
 def encode(kind: str, message=None) -> bytes:
@@ -219,23 +303,34 @@ def encode(kind: str, message=None) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, kind, body], use_bin_type=True)
 
 
-def decode(frame: bytes):
-    """(kind, message) of a frame; raises ProtocolError for anything that is not a valid frame."""
+def _show(value) -> str:
+    """A short description of a hostile value for a log line (never its full repr)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def decode(frame) -> tuple:
+    """(kind, message) of a frame; raises ProtocolError, and nothing else, for anything that is not
+    a valid frame: any bytes, any msgpack value of any shape."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a frame is bytes, not {type(frame).__name__}")
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES} limit")
     try:
-        version, kind, body = msgpack.unpackb(frame, raw=False, strict_map_key=True,
-                                              max_bin_len=MAX_FRAME_BYTES, max_str_len=MAX_FRAME_BYTES)
+        value = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True,
+                                max_bin_len=MAX_FRAME_BYTES, max_str_len=MAX_FRAME_BYTES)
     except Exception as exc:  # msgpack raises several types; all mean the same to us
-        raise ProtocolError(f"undecodable frame: {exc}") from None
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
-    if kind not in KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    body_type = _BODY_TYPES.get(kind)
-    if body_type is None:
-        return kind, body
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from None
+    if not isinstance(value, list) or len(value) != 3:
+        raise ProtocolError(f"a frame is [version, kind, body], got {_show(value)}")
+    version, kind, body = value
+    if isinstance(version, bool) or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {_show(version)}, expected {PROTOCOL_VERSION}")
+    if not isinstance(kind, str) or kind not in KINDS:   # a list or dict kind is not even hashable
+        raise ProtocolError(f"unknown message kind {_show(kind)}")
     try:
-        return kind, body_type.from_wire(body)
-    except Exception as exc:
+        return kind, _BODY_TYPES[kind](body)
+    except ProtocolError as exc:
         raise ProtocolError(f"malformed {kind} body: {exc}") from None
+    except Exception as exc:   # an unpacking of the wrong length, and the like
+        raise ProtocolError(f"malformed {kind} body: {type(exc).__name__}: {exc}") from None

@@ -4,7 +4,8 @@
 #include "simd.h"
 
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale);
+                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale,
+                  int64_t window, double softcap);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 
 static bool vectorized() {
@@ -16,7 +17,7 @@ static bool vectorized() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the block pool (float32)");
+  m.def("paged_decode", &paged_decode, "paged decode attention over the block pool (float32; window and softcap 0: none)");
   m.def("skinny_linear", &skinny_linear, "x [M, K] . w[N, K]^T for a few rows M (float32)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

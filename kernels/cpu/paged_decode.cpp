@@ -6,6 +6,10 @@
 // query heads that share the KV head, a softmax in float32, then the weighted sum of the value
 // rows. Work items are spread over torch's own intra-op thread pool (at::parallel_for).
 //
+// A sliding window W (> 0) keeps only the last W positions of the context (the query's own
+// included, as transformers' masks do); a soft-cap c (> 0) maps each scaled score s to
+// c * tanh(s / c) before the softmax (Gemma 2). 0 turns either off.
+//
 // Layouts (float32): query/out [tokens, heads, head_dim] with head_dim contiguous;
 // k_cache/v_cache [blocks, block_size, kv_heads, head_dim] contiguous; block_tables int32
 // [seqs, max_blocks]; seq_lens int32 [seqs]; rows int64 [R, 2] = (token row, sequence).
@@ -125,14 +129,15 @@ inline float exp_shifted_sum_any(float* s, int64_t n, float m) {
   return exp_shifted_sum_scalar(s, n, m);
 }
 
-// fn(p, row) for every position p < len of a sequence, `row` its slot's row (all KV heads) in `cache`
+// fn(p - begin, row) for every position begin <= p < len of a sequence, `row` its slot's row (all KV
+// heads) in `cache`; blocks wholly before `begin` are not touched
 template <typename Fn>
-inline void walk_context(const float* cache, const int32_t* table, int64_t len, int64_t block_size,
-                         int64_t slot_stride, Fn fn) {
-  for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+inline void walk_context(const float* cache, const int32_t* table, int64_t begin, int64_t len,
+                         int64_t block_size, int64_t slot_stride, Fn fn) {
+  for (int64_t p0 = begin / block_size * block_size; p0 < len; p0 += block_size) {
     const float* block = cache + static_cast<int64_t>(table[p0 / block_size]) * block_size * slot_stride;
     const int64_t n = std::min(block_size, len - p0);
-    for (int64_t i = 0; i < n; ++i) fn(p0 + i, block + i * slot_stride);
+    for (int64_t i = std::max<int64_t>(0, begin - p0); i < n; ++i) fn(p0 + i - begin, block + i * slot_stride);
   }
 }
 
@@ -140,6 +145,8 @@ struct Shape {
   int64_t block_size, kv_heads, head_dim, group, max_blocks, slot_stride;
   int64_t q_tok, q_head, o_tok, o_head;
   float scale;
+  int64_t window;   // 0: none
+  float softcap;    // 0: none
 };
 
 // One item: token row `tok`, KV heads [h0, h1). `scores` and `acc` are the calling thread's
@@ -147,25 +154,32 @@ struct Shape {
 // heads of a position together reads the block front to back.
 template <bool kVector>
 void decode_one(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
-                const int32_t* table, int64_t len, int64_t tok, int64_t h0, int64_t h1,
+                const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t bs = sh.block_size, D = sh.head_dim, G = sh.group;
   const int64_t nq = (h1 - h0) * G;           // query heads of this item
+  // the query sits at full_len - 1; with a window it sees positions [begin, full_len) only
+  const int64_t begin = sh.window > 0 ? std::max<int64_t>(0, full_len - sh.window) : 0;
+  const int64_t len = full_len - begin;       // positions attended, indexed from `begin`
   scores.resize(nq * len);
   acc.assign(nq * D, 0.f);
   const float* qh = q + tok * sh.q_tok + h0 * G * sh.q_head;
   // scores[j * len + p] = scale * <q_j, k_p>, for the item's query heads j
-  walk_context(kc, table, len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
+  walk_context(kc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
         scores[j * len + p] = sh.scale * dot_any<kVector>(qh + j * sh.q_head, row + h * D, D);
   });
+  if (sh.softcap > 0.f) {
+    const float inv_cap = 1.f / sh.softcap;
+    for (int64_t i = 0; i < nq * len; ++i) scores[i] = sh.softcap * std::tanh(scores[i] * inv_cap);
+  }
   float inv_sum[64];
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores.data() + j * len;
     inv_sum[j] = 1.f / exp_shifted_sum_any<kVector>(sj, len, *std::max_element(sj, sj + len));
   }
-  walk_context(vc, table, len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
+  walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
         axpy_any<kVector>(scores[j * len + p], row + h * D, acc.data() + j * D, D);
@@ -180,7 +194,8 @@ void decode_one(const Shape& sh, const float* q, const float* kc, const float* v
 }  // namespace
 
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale) {
+                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale,
+                  int64_t window, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_decode: float32 only");
@@ -194,6 +209,7 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "query/cache shapes");
   TORCH_CHECK(query.size(1) <= 64, "paged_decode: at most 64 query heads");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap must be >= 0 (0: none)");
   Shape sh;
   sh.block_size = k_cache.size(1);
   sh.kv_heads = k_cache.size(2);
@@ -206,6 +222,8 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
   sh.o_tok = out.stride(0);
   sh.o_head = out.stride(1);
   sh.scale = static_cast<float>(scale);
+  sh.window = window;
+  sh.softcap = static_cast<float>(softcap);
   const int64_t num_rows = rows.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();

@@ -72,15 +72,17 @@ class PagedBatch:
         return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
                 self.query_start_loc, self.scale)
 
-    def reference(self):
+    def reference(self, sliding_window=None, softcap=None):
         from ops import reference
         return reference.paged_attention(self.query.float(), self.k_cache.float(), self.v_cache.float(),
-                                         self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
+                                         self.block_tables, self.seq_lens, self.query_start_loc, self.scale,
+                                         None, sliding_window, softcap)
 
 
-def dense_attention(batch: PagedBatch) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, sliding_window=None, softcap=None) -> torch.Tensor:
     """The simplest possible computation: per sequence and per query token, rebuild the context
-    from the block table token by token and take a softmax over it."""
+    from the block table token by token and take a softmax over it (over the last `sliding_window`
+    positions up to the query's own, with scores soft-capped as Gemma 2 does when `softcap`)."""
     q, kc, vc = batch.query.float(), batch.k_cache.float(), batch.v_cache.float()
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -94,9 +96,12 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
         q_len = starts[s + 1] - starts[s]
         for i in range(q_len):
             visible = seq_len - q_len + i + 1
+            first = max(0, visible - sliding_window) if sliding_window else 0
             for h in range(q.shape[1]):
-                scores = keys[:visible, h // group] @ q[starts[s] + i, h] * batch.scale
-                out[starts[s] + i, h] = scores.softmax(0) @ values[:visible, h // group]
+                scores = keys[first:visible, h // group] @ q[starts[s] + i, h] * batch.scale
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[starts[s] + i, h] = scores.softmax(0) @ values[first:visible, h // group]
     return out
 
 

@@ -1,0 +1,241 @@
+"""Which transformers decoder models pagedserve can serve exactly; every other one is refused at start.
+
+pagedserve computes attention itself, through transformers' attention interface (data_plane/attention.py).
+A model is served only if everything it does in attention is something our ops do too; anything else
+would be served wrong without a warning, so `check_model` refuses it with `UnsupportedModel`, naming the
+architecture and the reason. Two sources of truth:
+
+- the config, for features no op implements (ALiBi, multi-head latent attention, chunked or
+  bidirectional attention, layer kinds other than full and sliding-window attention);
+- one probe forward pass at start, with attention recorded instead of computed: every decoder layer
+  must call the interface exactly once, with K and V of the pool's head size, with the window the
+  config declares, and with no argument we do not implement (attention sinks, for example). A model
+  that computes attention in its own code (BLOOM) makes no call and is refused.
+
+The same probe picks how logits are computed from the sampled rows' hidden states (`final_logits`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from data_plane import attention
+from shared.config import ConfigError
+
+log = logging.getLogger("pagedserve.data_plane")
+
+# layer kinds of config.layer_types that our ops compute
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# keywords transformers passes to attention functions that do not change what attention computes
+# (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
+HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
+_CACHE_ATTR = "_pagedserve_support"
+
+
+class UnsupportedModel(ConfigError):
+    """A model pagedserve cannot serve token-identically to transformers; raised at start."""
+
+    def __init__(self, architecture: str, reasons: list[str]):
+        self.architecture, self.reasons = architecture, reasons
+        super().__init__(f"{architecture} is not supported by pagedserve: " + "; ".join(reasons))
+
+
+@dataclass
+class Support:
+    """What the probe found: per-layer windows and soft-cap, and the logits function to use."""
+    layer_windows: list[int | None]
+    softcaps: list[float | None]
+    final_logits: Callable[[torch.Tensor], torch.Tensor]
+    logits_path: str   # "output embeddings" or "the model's own head"
+
+
+def architecture(config, model=None) -> str:
+    """The class name checkpoints record (LlamaForCausalLM), else the model's own class name."""
+    names = getattr(config, "architectures", None) or []
+    if names:
+        return names[0]
+    return type(model).__name__ if model is not None else type(config).__name__.removesuffix("Config")
+
+
+def head_dim(config) -> int:
+    """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def config_windows(config) -> list[int | None]:
+    """Sliding window of each layer as transformers' masks apply it: with `layer_types`, the layers of
+    kind "sliding_attention" (Gemma 2/3, Qwen2/3); without, every layer when `sliding_window` is set
+    (Mistral, Mixtral, Phi-3). A window W lets a query see the W positions ending at its own."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window] * config.num_hidden_layers
+
+
+def config_reasons(config) -> list[str]:
+    """Features of the config that no pagedserve op implements."""
+    reasons = []
+    attn_config = getattr(config, "attn_config", None)
+    if config.model_type == "bloom" or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
+        reasons.append("ALiBi position bias is not implemented")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        reasons.append("multi-head latent attention (kv_lora_rank) is not implemented")
+    v_dim, qk_dim = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
+    if v_dim and qk_dim and v_dim != qk_dim:
+        reasons.append(f"K head size {qk_dim} differs from V head size {v_dim}; the KV pool has one head size")
+    types = getattr(config, "layer_types", None) or []
+    unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES)
+    if unknown:
+        reasons.append(f"layer kinds {unknown} are not implemented (only {sorted(SUPPORTED_LAYER_TYPES)})")
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in unknown:
+        reasons.append("chunked local attention (attention_chunk_size) is not implemented")
+    if getattr(config, "use_bidirectional_attention", False):
+        reasons.append("bidirectional attention is not implemented (decoding is causal)")
+    if getattr(config, "is_encoder_decoder", False):
+        reasons.append("encoder-decoder models are not served")
+    return reasons
+
+
+def check_config(config) -> None:
+    reasons = config_reasons(config)
+    if reasons:
+        raise UnsupportedModel(architecture(config), reasons)
+
+
+def _probe_ids(model) -> torch.Tensor:
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return (torch.arange(5, device=model.device) * 7 + 3).remainder(vocab)[None]
+
+
+def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
+    layers = config.num_hidden_layers
+    if not calls:
+        return ["its attention does not go through transformers' attention interface (it computes "
+                "attention in its own code)"]
+    reasons = []
+    seen = [c.layer_idx for c in calls]
+    if sorted(i for i in seen if i is not None) != list(range(layers)) or len(seen) != layers:
+        reasons.append(f"its {layers} layers made attention calls for layers {seen}; pagedserve needs one "
+                       "call per decoder layer, each with its layer index")
+    dim, kv_heads = head_dim(config), getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    windows = config_windows(config)
+    for c in calls:
+        if c.key_shape[-1] != c.value_shape[-1]:
+            reasons.append(f"K head size {c.key_shape[-1]} differs from V head size {c.value_shape[-1]}; "
+                           "the KV pool has one head size")
+        elif c.key_shape[-1] != dim or c.query_shape[-1] != dim:
+            reasons.append(f"attention heads of size {c.key_shape[-1]} do not match the config's head size {dim}")
+        if c.key_shape[1] != kv_heads or c.query_shape[1] % c.key_shape[1]:
+            reasons.append(f"{c.key_shape[1]} KV heads for {c.query_shape[1]} query heads (config: {kv_heads})")
+        if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
+            reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
+                           f"declares {windows[c.layer_idx]}")
+        if c.other_kwargs.get("is_causal", True) is not True:
+            reasons.append("its attention is not causal (is_causal=False); pagedserve's is")
+        unknown = sorted(k for k, v in c.other_kwargs.items()
+                         if k not in HARMLESS_KWARGS and k != "is_causal" and v is not False)
+        if unknown:
+            reasons.append(f"its attention passes {unknown}, which pagedserve does not implement")
+    return list(dict.fromkeys(reasons))   # one line per distinct reason, in order
+
+
+class _GivenHidden(torch.nn.Module):
+    """Stands in for the base model while the model's own head runs on hidden rows we already have."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def own_head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits of hidden rows [rows, hidden] through the causal-LM class's own forward (its final
+    soft-cap, scaling, ...), with the base model swapped for the rows for the duration of the call."""
+    prefix = model.base_model_prefix
+    base = model._modules[prefix]
+    model._modules[prefix] = _GivenHidden(hidden[None])
+    try:
+        dummy = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+        return model(input_ids=dummy, use_cache=False, logits_to_keep=0).logits[0]
+    finally:
+        model._modules[prefix] = base
+
+
+def _choose_logits(model, hidden: torch.Tensor, own: torch.Tensor):
+    """The cheapest logits path that reproduces the model's own forward on the probe, or None."""
+    plain = model.get_output_embeddings()(hidden)
+    try:
+        head = own_head_logits(model, hidden)
+    except Exception as exc:   # a head that calls parts of the base model itself (OPT calls its decoder)
+        log.debug("own-head logits unavailable for %s: %s", type(model).__name__, exc)
+        head = None
+    if head is not None and torch.allclose(head, own, rtol=1e-5, atol=1e-5):
+        if torch.equal(plain, head):   # the head adds nothing (no soft-cap, no scaling): skip its overhead
+            return model.get_output_embeddings(), "output embeddings"
+        return (lambda rows: own_head_logits(model, rows)), "the model's own head"
+    if torch.equal(plain, own) or (head is None and torch.allclose(plain, own, rtol=1e-5, atol=1e-5)):
+        return model.get_output_embeddings(), "output embeddings"
+    return None
+
+
+@contextlib.contextmanager
+def _paged_attention(model):
+    previous = model.config._attn_implementation
+    if previous != attention.ATTENTION_NAME:
+        model.set_attn_implementation(attention.register())
+    try:
+        yield
+    finally:
+        if previous != attention.ATTENTION_NAME:
+            model.set_attn_implementation(previous)
+
+
+@torch.inference_mode()
+def check_model(model) -> Support:
+    """Refuses (UnsupportedModel) a model pagedserve cannot serve exactly; returns what serving needs.
+
+    The result is kept on the model, so load_model and the runner probe it once."""
+    cached = model.__dict__.get(_CACHE_ATTR)
+    if cached is not None:
+        return cached
+    config = model.config
+    arch = architecture(config, model)
+    reasons = config_reasons(config)
+    if reasons:
+        raise UnsupportedModel(arch, reasons)
+    ids = _probe_ids(model)
+    # probed on pagedserve's attention whatever the model was last set to (benchmarks switch it back
+    # and forth); the base model as the runner calls it, then the whole model as generate does
+    with _paged_attention(model), attention.record_calls() as calls:
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+    reasons = _call_reasons(config, calls)
+    if reasons:
+        raise UnsupportedModel(arch, reasons)
+    with _paged_attention(model), attention.record_calls():   # zeros from attention in both passes
+        own = model(input_ids=ids, use_cache=False).logits[0]
+    chosen = _choose_logits(model, hidden, own)
+    if chosen is None:
+        raise UnsupportedModel(arch, ["its final logits are computed in a way pagedserve does not reproduce"])
+    by_layer = {c.layer_idx: c for c in calls}
+    support = Support([by_layer[i].sliding_window for i in range(config.num_hidden_layers)],
+                      [by_layer[i].softcap for i in range(config.num_hidden_layers)], chosen[0], chosen[1])
+    model.__dict__[_CACHE_ATTR] = support
+    return support
+
+
+def load_refusal(architecture_name: str, exc: BaseException) -> UnsupportedModel | None:
+    """The refusal for a model whose construction failed because it has no place for our attention
+    (Falcon and GPT-Neo look attention classes up in their own table: KeyError 'pagedserve')."""
+    if isinstance(exc, KeyError) and exc.args == (attention.ATTENTION_NAME,):
+        return UnsupportedModel(architecture_name, [
+            "its attention does not go through transformers' attention interface (it picks its own "
+            "attention classes)"])
+    return None

@@ -1,0 +1,153 @@
+"""Tiny random-weight models of every architecture the tests cover, built in-process (no downloads).
+
+Shapes follow issue 11's check: hidden size 64, 2-4 layers, 4 query heads over 2 KV heads where the
+architecture has grouped KV heads, head size 16, float32. Windows (12, 16 tokens) are shorter than
+the tests' contexts, and Gemma 2's caps are small enough to change the result.
+"""
+from __future__ import annotations
+
+import torch
+
+VOCAB = 512
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              tie_word_embeddings=False)
+
+
+def _llama_like(kind: str, **extra):
+    def build():
+        import transformers
+        config = getattr(transformers, f"{kind}Config")(**{**COMMON, **extra})
+        return config, getattr(transformers, f"{kind}ForCausalLM")
+    return build
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0), GPT2LMHeadModel
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                     word_embed_proj_dim=64, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                     pad_token_id=0, init_std=0.2), OPTForCausalLM
+
+
+def _gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, tie_word_embeddings=False), GPTNeoXForCausalLM
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    # pattern 2: sliding, full, sliding, full (real checkpoints use 6)
+    return Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=12,
+                            sliding_window_pattern=2, query_pre_attn_scalar=16), Gemma3ForCausalLM
+
+
+# name -> builder of (config, causal-LM class); every one is served token-identically
+SUPPORTED = {
+    "Llama": _llama_like("Llama"),
+    "Qwen2 (use_sliding_window)": _llama_like("Qwen2", use_sliding_window=True, sliding_window=16,
+                                              max_window_layers=1, num_hidden_layers=3),
+    "Qwen3": _llama_like("Qwen3", head_dim=16),
+    "Mistral (window 12)": _llama_like("Mistral", sliding_window=12, head_dim=16),
+    "Gemma2 (caps, alternating window)": _llama_like("Gemma2", head_dim=16, sliding_window=12, num_hidden_layers=4,
+                                                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                                     query_pre_attn_scalar=16),
+    "Gemma3 (alternating window)": _gemma3,
+    "Phi3 (window 12)": _llama_like("Phi3", sliding_window=12),
+    "GPT-NeoX": _gpt_neox,
+    "GPT-2": _gpt2,
+    "OPT": _opt,
+    "Granite (logits_scaling)": _llama_like("Granite", logits_scaling=4.0, attention_multiplier=0.2,
+                                            embedding_multiplier=2.0, residual_multiplier=0.5),
+    "Mixtral (window 16)": _llama_like("Mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                                       head_dim=16),
+    "OLMo2": _llama_like("Olmo2"),
+    "StableLM": _llama_like("StableLm"),
+}
+
+
+def build(builder, attn: str, seed: int = 0):
+    """The model in float32, eval mode, with weights drawn from `seed` (large enough that greedy
+    decoding has no near-ties)."""
+    config, cls = builder()
+    for name in ("initializer_range", "init_std"):
+        if hasattr(config, name):
+            setattr(config, name, 0.2)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    # no end-of-sequence token: generate runs every prompt to its length, as the tests' driver does
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _falcon(alibi=False):
+    def build():
+        from transformers import FalconConfig, FalconForCausalLM
+        return FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            alibi=alibi, bos_token_id=1, eos_token_id=2), FalconForCausalLM
+    return build
+
+
+def _gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+    return GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                        window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
+
+
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                       eos_token_id=2), BloomForCausalLM
+
+
+def _mpt():
+    from transformers import MptConfig, MptForCausalLM
+    return MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), MptForCausalLM
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
+                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                            num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                            first_k_dense_replace=1), DeepseekV3ForCausalLM
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12), \
+        GptOssForCausalLM
+
+
+def _llama4_text():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
+                            num_local_experts=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0]), \
+        Llama4ForCausalLM
+
+
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+    return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
+
+
+# name -> (builder, words the refusal must contain besides the architecture's name)
+REFUSED = {
+    "FalconForCausalLM": (_falcon(), "attention interface"),
+    "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
+    "BloomForCausalLM": (_bloom, "ALiBi"),
+    "MptForCausalLM": (_mpt, "ALiBi"),
+    "DeepseekV3ForCausalLM": (_deepseek_v3, "multi-head latent attention"),
+    "GptOssForCausalLM": (_gpt_oss, "s_aux"),
+    "Llama4ForCausalLM": (_llama4_text, "chunked"),
+    "MambaForCausalLM": (_mamba, "linear_attention"),
+}
