@@ -39,9 +39,14 @@ def curve_worker(keys):
     thread = threading.Thread(target=worker.serve_forever, daemon=True)
     thread.start()
     yield address, runner
-    # stop it the way the control plane does: a SHUTDOWN from an authorized client
+    # stop it the way the control plane does: an authorized client takes ownership (the test's own
+    # clients are gone), then sends SHUTDOWN; a SHUTDOWN from a non-owner is ignored
     client = DataPlaneClient(address, keys[0])
-    asyncio.run(client.shutdown())
+
+    async def take_over_and_stop():
+        await client.handshake(10.0)
+        await client.shutdown()
+    asyncio.run(take_over_and_stop())
     thread.join(timeout=10)
     client.close()
     assert not thread.is_alive()
