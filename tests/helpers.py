@@ -156,6 +156,27 @@ def assert_pool_clean(engine):
     assert not engine.owners
 
 
+class _NoDataPlane:
+    async def step(self, plan, timeout):
+        raise AssertionError("nothing may reach the data plane")
+
+    async def ping(self, timeout):
+        return None
+
+
+class _EosOnlyTokenizer:
+    eos_token_id = 2
+
+
+def small_engine(num_blocks=32, block_size=16, max_model_len=512):
+    """An engine whose data plane must never be reached: for admission and HTTP checks."""
+    from control_plane.engine import Engine
+    from shared.config import ControlPlaneConfig
+    from shared.protocol import Handshake
+    hs = Handshake("fake", 49152, 2, 2, 64, "float32", block_size, num_blocks, 0, max_model_len, "cpu", [2])
+    return Engine(ControlPlaneConfig(model="fake"), _NoDataPlane(), hs, _EosOnlyTokenizer())
+
+
 # --- control-plane state ------------------------------------------------------------------------------
 def free_order(pool) -> list[int]:
     """The block pool's free list, oldest first: the order in which allocate() hands blocks out."""

@@ -5,16 +5,11 @@ import asyncio
 import heapq
 from dataclasses import replace
 
-import pytest
-import torch
-
 from control_plane.engine import Engine
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sampling_params import SamplingParams
-from data_plane import attention
-from data_plane.model_runner import ModelRunner
-from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.helpers import tiny_llama
+from shared.config import ControlPlaneConfig
+from tests.helpers import DigitTokenizer, make_runner, paged_model
 
 
 class InProcessClient:
@@ -45,19 +40,8 @@ class InProcessClient:
         return None
 
 
-class DigitTokenizer:
-    """Enough of a tokenizer for the engine: ids print as space-separated numbers."""
-    eos_token_id = 2
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
-
-
 def make_engine(num_blocks=64, block_size=4, budget=32, max_num_seqs=128, mode="auto", **cp):
-    model = tiny_llama(attn=attention.register(), seed=0)
-    dp = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
-                         swap_blocks=64)
-    runner = ModelRunner(model, dp, torch.device("cpu"))
+    runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=64)
     config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                 preemption_mode=mode, **cp)
     return Engine(config, InProcessClient(runner), runner.handshake(), DigitTokenizer())

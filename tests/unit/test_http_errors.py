@@ -13,7 +13,7 @@ from control_plane import http_guard
 from control_plane.api import make_app
 from control_plane.http_guard import GuardedAppRunner
 from tests.servers import free_port
-from tests.unit.test_limits import small_engine
+from tests.helpers import small_engine
 
 KEY = "secret"
 

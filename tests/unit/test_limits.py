@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from control_plane.beam_search import BeamSearch, length_divisor
-from control_plane.engine import Engine
 from control_plane.sampling_params import (INT64_MAX, MAX_LENGTH_PENALTY, SamplingParams, ValidationError,
                                            check_for_model, parse_sampling)
 from shared import protocol as P
-from shared.config import ControlPlaneConfig
+from tests.helpers import small_engine
 
 NUMERIC = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "min_tokens", "priority", "n", "best_of", "length_penalty", "logprobs"]
@@ -83,23 +82,6 @@ def test_penalties_that_would_overflow_the_logits_are_refused():
         assert refused({"repetition_penalty": value}).param == "repetition_penalty"
     for name in ("presence_penalty", "frequency_penalty"):
         assert refused({name: 1e300}).param == name
-
-
-class FakeClient:
-    async def step(self, plan, timeout):
-        raise AssertionError("nothing may reach the data plane")
-
-    async def ping(self, timeout):
-        return None
-
-
-class FakeTokenizer:
-    eos_token_id = 2
-
-
-def small_engine(num_blocks=32, block_size=16, max_model_len=512) -> Engine:
-    hs = P.Handshake("fake", 49152, 2, 2, 64, "float32", block_size, num_blocks, 0, max_model_len, "cpu", [2])
-    return Engine(ControlPlaneConfig(model="fake"), FakeClient(), hs, FakeTokenizer())
 
 
 def test_d8_admission_knows_the_pool_with_block_rounding_and_the_watermark():
