@@ -5,6 +5,9 @@ import asyncio
 import heapq
 from dataclasses import replace
 
+import pytest
+import torch
+
 from control_plane.engine import Engine
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sampling_params import SamplingParams
