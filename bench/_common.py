@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.servers import Server  # noqa: E402
+from tests.servers import Server, free_port  # noqa: E402,F401  (free_port: for the vLLM anchor)
 
 SERVER_STARTUP_TIMEOUT = 600.0    # a bench server may load its model beside transformers on a busy CPU
 
