@@ -9,11 +9,11 @@ import time
 import aiohttp
 import pytest
 
-from tests.e2e.client import TIMEOUT, get
+from tests.e2e.client import TIMEOUT, get, metric_value
 from tests.servers import Server
 
 pytestmark = pytest.mark.slow
-BODIES = [{"prompt": f"Request number {i} asks for a long answer", "max_tokens": 120, "ignore_eos": True,
+BODIES = [{"prompt": f"Request number {i} asks for a long answer", "max_tokens": 400, "ignore_eos": True,
            "temperature": 0, "return_token_ids": True} for i in range(8)]
 
 
@@ -42,10 +42,23 @@ async def send_all(url):
         return await asyncio.gather(*(one(b) for b in BODIES))
 
 
+async def decoding(url):
+    """Returns once every request is in the running batch: the fault must land mid-decode, however fast the machine serves the tiny model (a fixed sleep did not, once the
+    CPU kernels made 120 tokens take under a second)."""
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for _ in range(400):
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+            if metric_value(text, "pagedserve_num_requests_running") == len(BODIES):
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the requests never started decoding")
+
+
 def run_with_fault(server, sig):
     async def run():
         task = asyncio.create_task(send_all(server.url))
-        await asyncio.sleep(1.0)                  # requests are decoding now
+        await decoding(server.url)
         victim = data_plane_pid(server)
         os.kill(victim, sig)
         results = await task
