@@ -39,11 +39,15 @@ def get(url: str, path: str):
     return asyncio.run(run())
 
 
+# the usage chunk the assertions read (OpenAI sends it only when asked); a body may override it
+USAGE_CHUNK = {"stream_options": {"include_usage": True}}
+
+
 def stream(url: str, path: str, body: dict) -> tuple[dict, list[str]]:
     """Raw SSE lines of a streaming request, and the response headers."""
     async def run():
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            async with session.post(url + path, json={**body, "stream": True}) as resp:
+            async with session.post(url + path, json={**USAGE_CHUNK, **body, "stream": True}) as resp:
                 lines = [line.decode() async for line in resp.content]
                 return dict(resp.headers), lines
     return asyncio.run(run())

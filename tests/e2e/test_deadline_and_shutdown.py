@@ -15,7 +15,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.e2e.client import metric_value, sse_events
+from tests.e2e.client import USAGE_CHUNK, metric_value, sse_events
 from tests.servers import Server
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ async def fetch(method, url, json_body=None):
 
 async def stream_lines(url, body):
     async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+        async with session.post(url + "/v1/completions", json={**USAGE_CHUNK, **body, "stream": True}) as resp:
             assert resp.status == 200
             return [line.decode() async for line in resp.content]
 
@@ -88,7 +88,10 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks(started):
 def test_the_server_limit_caps_a_longer_body_timeout(started):
     server = started["deadline"].wait_ready()
     t0 = time.monotonic()
-    status, text = asyncio.run(fetch("POST", server.url + "/v1/completions", {**LONG, "timeout": 100}))
+    # 6 samples of 480 tokens: more work than the 2 s cap, however fast the machine runs the tiny model
+    # (one sequence of 480 tokens took under 2 s on a quiet machine)
+    body = {**LONG, "n": 6, "temperature": 1.0, "seed": 3, "timeout": 100}   # 6 x 480 fits the 256-block pool
+    status, text = asyncio.run(fetch("POST", server.url + "/v1/completions", body))
     assert status == 504 and "request_timeout" in text
     assert 2.0 <= time.monotonic() - t0 < 4.0     # --request-timeout 2
 
