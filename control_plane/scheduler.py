@@ -179,7 +179,6 @@ class Scheduler:
         self.bm.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         if seq.known_to_data_plane:
             out.forget_seq_ids.append(seq.seq_id)
             seq.known_to_data_plane = False

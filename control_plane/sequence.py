@@ -38,7 +38,6 @@ class Sequence:
     # control plane learns them with those steps' results (see Scheduler.commit)
     num_pending_tokens: int = 0
     finish_reason: str | None = None
-    num_preemptions: int = 0
     cumulative_logprob: float = 0.0
 
     @property
