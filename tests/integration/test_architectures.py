@@ -57,7 +57,10 @@ def serve(model):
     while sched.has_work():
         out = sched.schedule()
         step += 1
-        result = runner.execute(build_plan(step, out, sched.bm))
+        assert step < 50 * len(PROMPTS) * (MAX_TOKENS + 1), "the scheduler makes no progress"
+        plan = build_plan(step, out, sched.bm)
+        sched.commit(out)                 # what the engine does with a plan it sends
+        result = runner.execute(plan)
         assert result.error is None
         sched.on_step_done(out)
         for tok in result.sampled:
