@@ -129,15 +129,22 @@ class Engine:
                 "the completion). Please reduce the length of the messages or completion.", "messages",
                 "context_length_exceeded")
         bs = self.hs.block_size
-        needed = num_prompt_tokens + max_tokens
-        if width > 1:   # the sequences share the prompt's blocks; each may own its tail plus one copy
-            needed = -(-num_prompt_tokens // bs) * bs + width * (-(-max_tokens // bs) + 1) * bs
-        if needed > self.pool_capacity_tokens:
+        # A request can never run if its prompt cannot be admitted (admission keeps the watermark free)
+        # or if its sequences cannot all grow to full length in the whole pool (running sequences may
+        # use every block: the watermark holds back only new admissions). Sequences of one request
+        # share the prompt's full blocks; each owns the rest of its context, its copy of a partly
+        # filled last prompt block included.
+        shared = num_prompt_tokens // bs
+        prompt_blocks = -(-num_prompt_tokens // bs)
+        total_blocks = shared + width * (-(-(num_prompt_tokens + max_tokens) // bs) - shared)
+        pool = self.hs.num_device_blocks
+        if prompt_blocks + self.scheduler.watermark_blocks > pool or total_blocks > pool:
             raise ValidationError(
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) for {width} "
-                f"sequence{'s' if width > 1 else ''} needs {-(-needed // bs)} KV blocks of {bs} tokens; this "
-                f"server's pool gives one request at most {self.pool_capacity_tokens // bs}, so it can never "
-                "run: shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+                f"sequence{'s' if width > 1 else ''} needs {total_blocks} KV blocks of {bs} tokens (the prompt "
+                f"{prompt_blocks}); this server's pool has {pool}, of which {self.scheduler.watermark_blocks} "
+                "stay free for admission, so it can never run: shorten the prompt or lower max_tokens",
+                "max_tokens", "context_length_exceeded")
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
