@@ -232,7 +232,8 @@ def start_server(num_threads: int, extra_args: list[str] | None = None) -> Serve
     """`pagedserve serve` on a free port with `num_threads` data-plane threads, logging to a temporary
     file (server.log() shows its tail); call wait_ready() on it, and stop() when done."""
     return Server("bench", ["--num-threads", str(num_threads), *(extra_args or [])], log_interval=None,
-                  env={"TOKENIZERS_PARALLELISM": "false"}, startup_timeout=SERVER_STARTUP_TIMEOUT)
+                  env={"TOKENIZERS_PARALLELISM": "false"}, startup_timeout=SERVER_STARTUP_TIMEOUT,
+                  swap_space_gib=None)   # the server's own default: a bench measures what users get
 
 
 async def complete_greedy(session, url, model, prompt, max_tokens) -> list[int]:

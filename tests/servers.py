@@ -48,13 +48,20 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
             proc.wait()
 
 
+# The default CPU swap pool (2 GiB) is allocated in full by every data plane; with the servers a whole
+# test run keeps alive at once, that overran the 24 GB of the CI machine (the OOM killer ended the
+# run). Test servers get a quarter GiB unless a test asks for its own.
+TEST_SWAP_SPACE_GIB = 0.25
+
+
 class Server:
     """`pagedserve serve ARGS` on a free port, its output in `tmp_dir`/`name`.log; without a `tmp_dir`, in
     a temporary file that stop() deletes. `log_interval`: seconds between its progress lines (None: the
     server's default)."""
 
     def __init__(self, name: str, args: list[str], tmp_dir: str | None = None, env: dict | None = None,
-                 log_interval: float | None = 2, startup_timeout: float = STARTUP_TIMEOUT):
+                 log_interval: float | None = 2, startup_timeout: float = STARTUP_TIMEOUT,
+                 swap_space_gib: float | None = TEST_SWAP_SPACE_GIB):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
@@ -67,7 +74,10 @@ class Server:
             self._log = open(self.log_path, "w")
         # no data-plane metrics port: several servers run at once, and a fixed port would clash
         cmd = [sys.executable, "-m", "control_plane.cli", "serve", "--port", str(self.port),
-               "--data-plane-metrics-port", "0", *args]
+               "--data-plane-metrics-port", "0"]
+        if swap_space_gib is not None:   # before `args`, so that a test's own swap setting wins
+            cmd += ["--swap-space-gib", str(swap_space_gib)]
+        cmd += args
         if log_interval is not None:
             cmd += ["--log-interval", str(log_interval)]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -103,7 +113,7 @@ class SplitServer(Server):
         self._dp_log = open(self.dp_log_path, "w")
         self.dp_proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane.cli", "data-plane", "--model", model, "--listen", self.dp_address,
-             "--metrics-port", "0", "--num-threads", "1", *extra_dp],
+             "--metrics-port", "0", "--num-threads", "1", "--swap-space-gib", str(TEST_SWAP_SPACE_GIB), *extra_dp],
             cwd=ROOT, stdout=self._dp_log, stderr=subprocess.STDOUT)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -45,8 +45,9 @@ class RemoteRunner:
 
 
 def start_data_plane(model: str, address: str, *extra: str, log_path: str | None = None) -> subprocess.Popen:
+    from tests.servers import TEST_SWAP_SPACE_GIB   # the rank's swap pool, unless `extra` sets one
     cmd = [sys.executable, "-m", "data_plane", "--model", model, "--listen", address, "--metrics-port", "0",
-           "--num-threads", "1", *extra]
+           "--num-threads", "1", "--swap-space-gib", str(TEST_SWAP_SPACE_GIB), *extra]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
