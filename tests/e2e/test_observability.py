@@ -20,15 +20,14 @@ import urllib.request
 import pytest
 import yaml
 
+from tests.dashboard import RATE_INTERVAL, dashboard_queries, grafana_to_promql
 from tests.e2e.client import post_many
 from tests.helpers import TEXT_PROMPTS
 from tests.servers import ROOT, STARTUP_TIMEOUT, free_port, stop_process, wait_until_healthy
 
 pytestmark = pytest.mark.slow
 
-DASHBOARD = os.path.join(ROOT, "deploy", "grafana", "dashboards", "pagedserve.json")
 PROMETHEUS_CONFIG = os.path.join(ROOT, "deploy", "prometheus.yml")
-RATE_INTERVAL = "1m"          # what $__rate_interval stands for here (>= 4 scrape intervals of 1 s)
 NUM_REQUESTS = 8
 MAX_TOKENS = 30
 
@@ -164,21 +163,6 @@ def workload(stack):
         time.sleep(0.5)
     time.sleep(2)  # a few more scrapes: every rate() window holds the burst and the idle state after it
     return [d for _, d in results]
-
-
-def dashboard_queries() -> list[tuple[str, str]]:
-    with open(DASHBOARD) as f:
-        dashboard = json.load(f)
-    queries = []
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            queries.append((panel["title"], target["expr"]))
-    return queries
-
-
-def grafana_to_promql(expr: str) -> str:
-    """What Grafana sends for the dashboard's defaults: every model, the rate interval."""
-    return expr.replace("$__rate_interval", RATE_INTERVAL).replace("$model_name", ".*")
 
 
 # --- tests ----------------------------------------------------------------------------------------

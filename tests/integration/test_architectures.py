@@ -12,15 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from control_plane.block_manager import BlockManager
-from control_plane.plan_builder import build_plan
-from control_plane.sampling_params import SamplingParams
-from control_plane.scheduler import Scheduler
-from control_plane.sequence import Sequence
 from data_plane import attention, model_support
 from data_plane.model_runner import ModelRunner, load_model
 from shared.config import DataPlaneConfig
 from tests.architectures import REFUSED, SUPPORTED, build
+from tests.control_loop import play
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 4, 32, 16
 SHARED = list(range(200, 229))   # 29 tokens: 7 full blocks shared by two prompts
@@ -44,34 +40,9 @@ def serve(model):
     """Plays the control plane over the runner; returns per prompt (tokens, log-probs) and counters."""
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=BLOCK_SIZE, kv_cache_blocks=NUM_BLOCKS)
     runner = ModelRunner(model, config, torch.device("cpu"))
-    bm = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=16)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    seqs = [Sequence(f"r{i}", list(p), len(p), params, params.spec([]), arrival_time=float(i))
-            for i, p in enumerate(PROMPTS)]
-    by_id = {s.seq_id: s for s in seqs}
-    logprobs = {s.seq_id: [] for s in seqs}
-    for s in seqs:
-        sched.add(s)
-    step = 0
-    while sched.has_work():
-        out = sched.schedule()
-        step += 1
-        assert step < 50 * len(PROMPTS) * (MAX_TOKENS + 1), "the scheduler makes no progress"
-        plan = build_plan(step, out, sched.bm)
-        sched.commit(out)                 # what the engine does with a plan it sends
-        result = runner.execute(plan)
-        assert result.error is None
-        sched.on_step_done(out)
-        for tok in result.sampled:
-            seq = by_id[tok.seq_id]
-            seq.token_ids.append(tok.token_id)
-            logprobs[tok.seq_id].append(tok.logprob)
-            if seq.num_output_tokens >= MAX_TOKENS:
-                sched.finish(seq, "length")
-        sched.check_integrity()
-    outputs = [(s.output_token_ids, logprobs[s.seq_id][-MAX_TOKENS:]) for s in seqs]
-    return outputs, dict(preemptions=sched.num_preemptions, prefix_hits=bm.prefix_hits)
+    played = play(runner, PROMPTS, MAX_TOKENS, budget=16, max_num_seqs=3)
+    outputs = [(tokens, logprobs[-MAX_TOKENS:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
+    return outputs, dict(preemptions=played.preemptions, prefix_hits=played.prefix_hits)
 
 
 def test_the_workload_reuses_blocks_and_passes_the_windows():

