@@ -263,6 +263,7 @@ class Engine:
         num_seqs = self.scheduler.restart(BlockManager(
             self.hs.num_device_blocks, self.hs.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
             num_cpu_blocks=self.hs.num_cpu_blocks))
+        self.stats.on_new_block_manager()
         self.policy.block_bytes = PreemptionPolicy.block_bytes_of(self.hs)
         self.outputs.max_model_len = self.hs.max_model_len
         for req in self.outputs.live_requests():

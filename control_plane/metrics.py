@@ -109,6 +109,12 @@ class EngineStats:
         self._scheduled: set[int] = set()
 
     # --- called by the engine -------------------------------------------------------------
+    def on_new_block_manager(self) -> None:
+        """A data-plane restart replaced the block manager: its cumulative counts start from zero
+        again. (Deltas against the old ones would undercount, and a negative hit delta failed the step.)"""
+        self._prefix_seen = (0, 0)
+        self._copies_seen = 0
+
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.received.inc()
         self.prompt_tokens.inc(num_prompt_tokens)

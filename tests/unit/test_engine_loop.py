@@ -63,6 +63,33 @@ def test_after_a_restart_the_watermark_and_block_bytes_follow_the_new_data_plane
     assert engine.scheduler.waiting[0].seq_id == next(iter(req.seqs))
 
 
+def test_after_a_restart_the_prefix_cache_counters_go_on_from_the_new_pool():
+    """The new block manager counts queries and hits from zero: the metrics add its counts to those
+    of the old one (a delta against the old totals undercounted, and a negative hit delta failed the
+    first step whose queries passed the old total)."""
+    engine = make_engine(num_blocks=64)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    async def run(prompts):
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        while any(not r.finished for r in reqs):
+            await engine.step()
+
+    def counted():
+        registry = engine.stats.registry
+        return tuple(registry.get_sample_value(f"pagedserve_prefix_cache_{kind}_total", {"model_name": "tiny"})
+                     for kind in ("queries", "hits"))
+    shared = list(range(10, 30))                      # 5 full blocks of 4 tokens
+    asyncio.run(run([shared + [40 + i] for i in range(3)]))
+    old = engine.scheduler.bm
+    assert counted() == (old.prefix_queries, old.prefix_hits) and old.prefix_hits > 0
+    engine._requeue_all()                             # the data plane came back with an empty pool
+    asyncio.run(run([[100 + 7 * i + j for j in range(30)] for i in range(4)]))   # more queries, no hits
+    new = engine.scheduler.bm
+    assert new.prefix_queries > old.prefix_queries and new.prefix_hits == 0
+    assert counted() == (old.prefix_queries + new.prefix_queries, old.prefix_hits)
+
+
 # --- overlap: planning step N+1 while step N runs gives the same outputs ----------------------
 async def drive(engine, jobs, abort_at=None):
     """Runs `jobs` ((prompt ids, SamplingParams)) to the end as Engine.run would (deadlines, then a
