@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, model_support, sampler
+from data_plane import attention, kv_pool, llama_forward, model_support, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -101,11 +101,16 @@ class ModelRunner:
         compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
-        # few-token steps (a batch's tail) stream the weights through the CPU kernel
-        skinny = linear_ops.use_skinny_kernel(model)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; few-row linear kernel "
-                 "on %d layers", self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
-                 attention_ops.backend(device, self.dtype), skinny)
+        # a Llama-shaped float32 CPU model runs the lean forward; its linear layers, and every other
+        # model's, are routed by row count: few rows through the kernel, more through prepacked GEMM
+        self.lean, why_not = llama_forward.build(model) if config.lean_forward else (None, "--no-lean-forward")
+        routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
+                 "layers outside it: %d with the few-row kernel, %d with prepacked GEMM", self.num_blocks,
+                 self.block_size, self.num_blocks * block_bytes / 2**20, device,
+                 attention_ops.backend(device, self.dtype),
+                 "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
+                 routes["kernel"], routes["packed"])
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id
@@ -218,11 +223,17 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows
 
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
+        """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions)."""
+        if self.lean is not None:
+            return self.lean(ids[0], pos[0], ctx)
+        with attention.use_step_context(ctx):
+            return self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+
     @torch.inference_mode()
     def _forward_and_sample(self, scheduled, masks: dict[int, bytes] | None = None):
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
-        with attention.use_step_context(ctx):
-            hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        hidden = self._forward(ids, pos, ctx)
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:
