@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, model_support, sampler
+from data_plane import attention, kv_pool, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -97,6 +97,7 @@ class ModelRunner:
         self.final_logits = model_support.check_model(model).final_logits
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
+        self._prompt_scores: list = []   # the step's prompt log-probs (data_plane/prompt_logprobs.py)
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
         compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
         if compiled is not None:
@@ -177,9 +178,10 @@ class ModelRunner:
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
+        self._prompt_scores = []
         sampled, num_tokens = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0)
         t2 = time.perf_counter()
-        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0)
+        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=self._prompt_scores)
 
     def _prepare(self, scheduled):
         input_ids, positions, slots, seq_lens, starts, block_rows, sample_rows = [], [], [], [], [0], [], []
@@ -223,6 +225,9 @@ class ModelRunner:
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
         with attention.use_step_context(ctx):
             hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
+        if slices:
+            self._prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size)
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:
