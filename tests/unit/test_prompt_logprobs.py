@@ -127,3 +127,29 @@ def test_wire_fields_are_optional_and_checked():
     for bad in ([4, 0, [-0.5], [1], []], [4, 1, [-0.5, -1.0], [1], []], [4, 1, [-0.5], [1], [[], []]]):
         with pytest.raises(P.ProtocolError):
             P.decode(P.encode(P.STEP_RESULT, [2, [], 5, 0.0, 0.0, None, [bad]]))
+
+
+@pytest.mark.parametrize("restart_at", [None, 3])
+def test_engine_keeps_exact_prompt_logprobs_under_preemption_and_restart(reference, restart_at):
+    # 14 blocks of 4 tokens cannot hold 5 sequences of 11 + 12 tokens: they preempt (recompute) each other,
+    # and the 8-token budget splits prompts into chunks; a data-plane restart re-queues everything
+    import asyncio
+
+    from tests.helpers import make_engine
+    engine, _ = make_engine(num_blocks=14, block_size=4, budget=8, mode="recompute")
+    prompts = [[1] + [100 + 7 * i + j for j in range(10)] for i in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+
+    async def run():
+        step = 0
+        while any(not r.finished for r in reqs):
+            await engine.step()
+            step += 1
+            if step == restart_at:
+                engine._requeue_all()
+    asyncio.run(run())
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to force recompute preemptions"
+    for prompt, req in zip(prompts, reqs):
+        assert req.end_reason == "length"
+        assert_matches(req.prompt_logprobs, hf_scores(reference, prompt))
