@@ -37,6 +37,7 @@ class Scoring:
     echo_k: int | None = None       # echo with logprobs: the prompt joins the legacy lists, k alternatives
     vllm_k: int | None = None       # prompt_logprobs: vLLM's per-token dicts, k alternatives
     logprobs: bool = False          # the generated tokens' log-probs were asked
+    stream: bool = False
     offsets: dict[int, int] = field(default_factory=dict)   # stream: characters of each choice sent so far
 
     @property
@@ -45,8 +46,9 @@ class Scoring:
 
     @property
     def text_only(self) -> bool:
-        """max_tokens 0 with echo and no log-probs: answered from the tokenizer, no model run."""
-        return self.score_only and not self.needs_scores
+        """max_tokens 0 with echo and no log-probs: answered from the tokenizer, no model run (streamed, it
+        takes the engine's path, for its server-sent events)."""
+        return self.score_only and not self.needs_scores and not self.stream
 
     # --- the whole answer ---------------------------------------------------------------------
     def _prompt_fields(self, req) -> dict:
@@ -118,7 +120,7 @@ def parse(body: dict, params: SamplingParams, chat: bool, score_only: bool, stre
     echo = not chat and flag(body, "echo")
     vllm_k = _prompt_logprobs_field(body)
     scoring = Scoring(tokenizer, echo, score_only, params.logprobs if echo else None, vllm_k,
-                      params.logprobs is not None)
+                      params.logprobs is not None, stream=stream)
     if score_only and not (echo or vllm_k is not None):
         raise ValidationError("'max_tokens' 0 generates nothing: it is for scoring a prompt, with 'echo' or "
                               "'prompt_logprobs'; ask for at least 1 token otherwise", "max_tokens")

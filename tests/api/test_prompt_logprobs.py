@@ -90,6 +90,11 @@ def test_streamed_scoring_sends_the_prompt_and_no_token(client, expected):
                                                                echo=True, logprobs=0, stream=True)]
     assert "".join(c.text for c in chunks) == PROMPT and chunks[-1].finish_reason == "length"
     assert close([v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs][1:], logprobs)
+    # without log-probs too: server-sent events, the prompt, and no token
+    events = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(e.choices[0].text for e in events if e.choices) == PROMPT
+    assert events[-1].usage.completion_tokens == 0
 
 
 def test_vllm_prompt_logprobs_shape_and_values(api_server, expected, smol_tokenizer):
