@@ -153,3 +153,19 @@ def test_engine_keeps_exact_prompt_logprobs_under_preemption_and_restart(referen
     for prompt, req in zip(prompts, reqs):
         assert req.end_reason == "length"
         assert_matches(req.prompt_logprobs, hf_scores(reference, prompt))
+
+
+@pytest.mark.parametrize("name", ["Gemma2 (caps, alternating window)", "Granite (logits_scaling)"])
+def test_the_models_own_logits_path_soft_cap_and_scaling(name):
+    # Gemma 2 caps its final logits at 3.0 and Granite divides them by 4: an lm_head-only path differs a lot
+    from data_plane import attention
+    from tests.architectures import SUPPORTED, build
+    model = build(SUPPORTED[name], "eager")
+    prompt = [1] + list(range(30, 59))
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    model.set_attn_implementation(attention.register())
+    (rec,), _ = score(make_runner(model, num_blocks=32, block_size=4), [prompt], budget=8)
+    got = torch.tensor([r[0] for r in rec[1:]])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
