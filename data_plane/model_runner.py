@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, llama_forward, model_support, sampler
+from data_plane import attention, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -97,6 +97,7 @@ class ModelRunner:
         self.final_logits = model_support.check_model(model).final_logits
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
+        self._prompt_scores: list = []   # the step's prompt log-probs (data_plane/prompt_logprobs.py)
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
         compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
         if compiled is not None:
@@ -182,9 +183,10 @@ class ModelRunner:
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
+        self._prompt_scores = []
         sampled, num_tokens = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0)
         t2 = time.perf_counter()
-        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0)
+        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=self._prompt_scores)
 
     def _prepare(self, scheduled):
         input_ids, positions, slots, seq_lens, starts, block_rows, sample_rows = [], [], [], [], [0], [], []
@@ -234,6 +236,9 @@ class ModelRunner:
     def _forward_and_sample(self, scheduled, masks: dict[int, bytes] | None = None):
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
         hidden = self._forward(ids, pos, ctx)
+        slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
+        if slices:
+            self._prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size)
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:
