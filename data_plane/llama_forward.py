@@ -40,6 +40,12 @@ def unsupported_reason(model) -> str | None:
     layer = model.model.layers[0]
     if getattr(layer.self_attn, "sliding_window", None):
         return "a sliding window"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if layer.self_attn.q_proj.out_features != cfg.num_attention_heads * head_dim or \
+            any(m._forward_hooks for m in model.modules()):
+        # a tensor-parallel rank holds a share of the heads, and its row-parallel layers all-reduce in
+        # forward hooks, which the stacked products here would not call
+        return "a tensor-parallel shard"
     return None
 
 

@@ -96,3 +96,13 @@ def test_another_architecture_keeps_transformers_forward():
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     assert "not LlamaForCausalLM" in llama_forward.unsupported_reason(model)
+
+
+def test_a_tensor_parallel_shard_keeps_transformers_forward():
+    """A rank holds half the heads and all-reduces in forward hooks: the lean forward would read the
+    whole model's head counts from the config and skip the hooks."""
+    from data_plane import tensor_parallel
+    model = paged_model(seed=1)
+    assert llama_forward.unsupported_reason(model) is None
+    tensor_parallel.shard_model(model, tensor_parallel.Comm(0, 2))
+    assert "tensor-parallel shard" in llama_forward.unsupported_reason(model)
