@@ -66,3 +66,24 @@ def test_another_architecture_keeps_transformers_forward():
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     assert "not LlamaForCausalLM" in llama_forward.unsupported_reason(model)
+
+
+def test_fused_kernels_give_torch_operations_numbers():
+    from data_plane.attention import StepContext
+    from ops import cpu_kernels
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
+    model = paged_model(seed=5)
+    fused, plain = llama_forward.LlamaForward(model), llama_forward.LlamaForward(model, fused=False)
+    assert fused.fused is not None and plain.fused is None
+    cfg = model.config
+    pool = torch.zeros(cfg.num_hidden_layers, 2, 8, 4, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    ids = torch.tensor([3, 17, 99, 4, 250, 7])
+    ctx = StepContext(pool, torch.arange(6, dtype=torch.int64), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                      torch.tensor([4, 2], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32), 4)
+    positions = torch.tensor([0, 1, 2, 3, 0, 1])
+    with torch.inference_mode():
+        expected = plain(ids, positions, ctx)
+        got = fused(ids, positions, ctx)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+    assert not torch.equal(got, torch.zeros_like(got))
