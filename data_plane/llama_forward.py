@@ -23,6 +23,10 @@ from ops import linear as linear_ops
 from ops.attention import paged_attention, write_kv
 
 
+# steps of more rows take SiLU(gate) * up from torch (kernels/cpu/fused_ops.cpp's exp is scalar)
+FUSED_SILU_MAX_ROWS = 2
+
+
 def unsupported_reason(model) -> str | None:
     """None when `model` can run this forward, else why not."""
     cfg = model.config
@@ -141,7 +145,11 @@ class LlamaForward:
             q, k = fused.rotary(q, k, cos, sin)
             attended = self._attend(index, layer, q, k, v, ctx)
             x = fused.add_rms_norm(residual, attended, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-            down = layer.down(fused.silu_mul(layer.gate_up(x)))
+            gate_up = layer.gate_up(x)
+            if gate_up.shape[0] <= FUSED_SILU_MAX_ROWS:
+                down = layer.down(fused.silu_mul(gate_up))
+            else:   # torch's vectorized exp beats the kernel's scalar one on prompt-sized steps
+                down = layer.down(layer.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
             norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.model.norm
             x = fused.add_rms_norm(residual, down, norm.weight, norm.variance_epsilon)
         return x
