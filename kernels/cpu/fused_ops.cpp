@@ -12,14 +12,15 @@
 
 #include <cmath>
 
-#define NO_FMA __attribute__((optimize("fp-contract=off")))
+// for every function below, lambdas included (a function attribute does not reach a lambda's body)
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
 // grain: rows per task, so that a decode step of a few rows stays on one thread
 constexpr int64_t kRowGrain = 8;
 
-NO_FMA void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
   // sixteen running sums, one per lane, so that the compiler keeps them in one vector register
   float lanes[16] = {};
   int64_t i = 0;
@@ -35,7 +36,7 @@ NO_FMA void norm_row(const float* x, const float* w, float* out, int64_t n, floa
 }  // namespace
 
 // residual += x (in place), then out = RMSNorm(residual) * w; with x undefined, only the norm
-NO_FMA torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w,
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w,
                                   double eps) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.is_contiguous(),
               "add_rms_norm: residual must be contiguous float32 [rows, hidden]");
@@ -68,7 +69,7 @@ NO_FMA torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::T
 
 // q [T, H, D] and k [T, Hk, D] rows of a [T, *] tensor (any row stride, unit last stride); cos, sin
 // [T, D]. Returns contiguous rotated copies: x * cos + cat(-x[D/2:], x[:D/2]) * sin.
-NO_FMA std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && q.dim() == 3 && k.dim() == 3,
               "rotary: q and k must be float32 [tokens, heads, dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
@@ -114,7 +115,7 @@ NO_FMA std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch
 
 // gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up, [T, I]. Its expf is scalar: the lean forward
 // uses it for a few rows only, where torch's dispatches cost more than torch's vectorized exp saves.
-NO_FMA torch::Tensor silu_mul(torch::Tensor gate_up) {
+torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous() &&
               gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be contiguous float32 [rows, 2 * inner]");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
