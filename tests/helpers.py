@@ -120,11 +120,13 @@ class DigitTokenizer:
         return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
 
 
-def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None):
-    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its LocalClient)."""
+def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None, model=None):
+    """The real engine over an in-process runner of `model` (default: the tiny Llama, seed 0):
+    (engine, its LocalClient)."""
     from control_plane.engine import Engine
     from shared.config import ControlPlaneConfig
-    runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=swap_blocks)
+    runner = make_runner(model if model is not None else paged_model(seed=0), num_blocks=num_blocks,
+                         block_size=block_size, swap_blocks=swap_blocks)
     cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
                             preemption_mode=mode)
     client = LocalClient(runner)
