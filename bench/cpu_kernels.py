@@ -30,7 +30,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--batches", default="8,64,128", help="decode rows of the attention comparison")
     ap.add_argument("--contexts", default="100,400", help="context lengths of the attention comparison")
-    ap.add_argument("--rows", default="1,2,4,8,16,24,32", help="rows of the linear comparison")
+    ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96", help="rows of the linear comparison")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="one small case of each, 2 repetitions")
@@ -100,6 +100,8 @@ def linear_rows(args, kernel):
     weights = [torch.randn(n, k, generator=gen) for _ in range(LAYERS) for n, k in shapes]
     weights.append(torch.randn(VOCAB, HIDDEN, generator=gen))
     mib = sum(w.numel() for w in weights) * 4 / 2**20
+    # MKL's GEMM on weights packed once (ops/linear.py), against F.linear in a second alternation
+    packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, 64) for w in weights]
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k, generator=gen) for k in (HIDDEN, FFN)}
 
@@ -108,11 +110,17 @@ def linear_rows(args, kernel):
 
         def skinny():
             return [kernel.skinny_linear(inputs[w.shape[1]], w) for w in weights]
+
+        def packed():
+            return [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], p, w, None, rows) for p, w in zip(packs, weights)]
         diff = max((a - b).abs().max().item() for a, b in zip(gemm(), skinny()))
+        diff_packed = max((a - b).abs().max().item() for a, b in zip(gemm(), packed()))
         t_gemm, t_skinny = alternate(gemm, skinny, args.reps)
+        t_gemm2, t_packed = alternate(gemm, packed, args.reps)
         C.progress(f"linear {rows} rows")
         yield (f"{rows:>4}  {1e3 * t_gemm:>13.1f}  {mib / 1024 / t_gemm:>9.1f}  {1e3 * t_skinny:>9.1f}  "
-               f"{mib / 1024 / t_skinny:>11.1f}  {t_gemm / t_skinny:>6.2f}x  {diff:.1e}")
+               f"{mib / 1024 / t_skinny:>11.1f}  {t_gemm / t_skinny:>6.2f}x  {diff:.1e}   "
+               f"{1e3 * t_gemm2:>7.1f}  {1e3 * t_packed:>9.1f}  {t_gemm2 / t_packed:>6.2f}x  {diff_packed:.1e}")
 
 
 def main(argv=None) -> int:
@@ -133,7 +141,7 @@ def main(argv=None) -> int:
         print(line, flush=True)
     C.progress_done()
     print("\nevery linear layer of one SmolLM2 step (30 layers x 7 + lm_head), few rows:")
-    print("rows  torch GEMM ms  GEMM GB/s  kernel ms  kernel GB/s  speedup  max |diff|")
+    print("rows  torch GEMM ms  GEMM GB/s  kernel ms  kernel GB/s  speedup  max |diff|   GEMM ms  packed ms  speedup  max |diff|")
     for line in linear_rows(args, kernel):
         print(line, flush=True)
     C.progress_done()

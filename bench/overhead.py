@@ -206,8 +206,12 @@ class RunnerSteps:
 
     def __init__(self, model, args, device: str = "cpu"):
         import torch
+        from data_plane import attention
         from data_plane.model_runner import ModelRunner
         from shared.config import add_data_plane_args, add_model_args, data_plane_config
+        # the runner's steps must run on the paged cache: a model loaded with SDPA would attend over
+        # the step's own tokens only (measure_bare_and_runner switches back and forth per step)
+        model.set_attn_implementation(attention.register())
         self.args, self.bs = args, 16
         self.per = -(-(args.context + 2 * (args.warmup + args.steps) + 2) // self.bs)   # blocks of one sequence
         num_blocks = max(max(args.batches) * self.per, -(-args.prefill // self.bs)) + 1
@@ -220,11 +224,14 @@ class RunnerSteps:
             ns.swap_space_gib = 0.0   # no swapping here: no CPU pool to allocate
         self.runner = ModelRunner(model, data_plane_config(ns, "inproc://bench"), torch.device(device))
         self.parts: dict[str, float] = defaultdict(float)
-        t_fwd = [0.0]
-        model.base_model.register_forward_pre_hook(lambda *_: t_fwd.__setitem__(0, time.perf_counter()))
-        model.base_model.register_forward_hook(
-            lambda *_: self.parts.__setitem__("forward", self.parts["forward"] + time.perf_counter() - t_fwd[0]))
-        prepare = self.runner._prepare
+        forward, prepare = self.runner._forward, self.runner._prepare
+
+        def timed_forward(*a):
+            t = time.perf_counter()
+            out = forward(*a)
+            self.parts["forward"] += time.perf_counter() - t
+            return out
+        self.runner._forward = timed_forward
 
         def timed_prepare(*a):
             t = time.perf_counter()

@@ -18,8 +18,9 @@ from control_plane.engine import SHUTDOWN_MESSAGE, Engine
 from control_plane.http_guard import BodyTimeout, read_body
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
-from control_plane.token_bytes import token_bytes
-from control_plane.echo import echo_only, prompt_text
+from control_plane.echo import echo_only
+from control_plane.logprobs_json import generated as logprobs_of
+from control_plane.prompt_scoring import Scoring, parse as parse_scoring
 from control_plane.extension_params import apply_extensions, truncate_prompt_tokens
 from control_plane.structured import parse_constraint
 from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
@@ -114,23 +115,6 @@ def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _logprobs_json(outputs: list[RequestOutput], tokenizer, chat: bool) -> dict | None:
-    tokens = [t for o in outputs for t in o.logprobs]
-    if not tokens:
-        return None
-    def text(tid):
-        return tokenizer.decode([tid])
-    if chat:
-        def entry(tid, lp):
-            token = text(tid)
-            return {"token": token, "logprob": lp, "bytes": token_bytes(tokenizer, tid)}
-        return {"content": [{**entry(t.token_id, t.logprob),
-                             "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs]}
-                            for t in tokens]}
-    return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{text(i): lp for i, lp in t.top_logprobs} for t in tokens]}
-
-
 class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -171,18 +155,12 @@ class Api:
             keep = truncate_prompt_tokens(body)
             if keep is not None:
                 prompts = [ids[-keep:] for ids in prompts]
-            echo = not chat and flag(body, "echo")
-            if echo and params.logprobs is not None:
-                raise ValidationError("'echo' with 'logprobs' needs the prompt's log-probs, which this server does "
-                                      "not compute yet; send echo without logprobs", "echo", "unsupported_parameter")
-            if score_only and not echo:
-                raise ValidationError("'max_tokens' 0 generates nothing: it is for scoring a prompt with echo",
-                                      "max_tokens")
+            stream = flag(body, "stream")
+            scoring = parse_scoring(body, params, chat, score_only, stream, engine.tokenizer)
             timeout = parse_timeout(body, engine.config.request_timeout)
             if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
                 params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
                 params.max_tokens = min(params.max_tokens, engine.pool_capacity_tokens - len(prompts[0]))
-            stream = flag(body, "stream")
             usage_mode = stream_usage(body) if stream else None
             if stream and (params.use_beam_search or params.best_of > params.n):
                 raise ValidationError("streaming is not available with beam search or best_of > n: the "
@@ -199,28 +177,28 @@ class Api:
             if engine.num_waiting() + len(prompts) > engine.config.max_waiting:
                 return unavailable(f"the server is overloaded: {engine.num_waiting()} requests are "
                                    "waiting already", code="overloaded")
-            if score_only:
+            if scoring.text_only:
                 for ids in prompts:
                     engine.validate_request(ids, params)
             else:
                 requests = self._start(prompts, params, timeout)
         except ValidationError as exc:
             return _validation_response(exc)
-        if score_only:
+        if scoring.text_only:
             return web.json_response(echo_only(prompts, engine.tokenizer, engine.config.model_name, return_ids))
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": engine.config.model_name, "system_fingerprint": self._fingerprint}
         try:
             if stream:
-                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, echo, tool_mode)
-            return await self._collect(requests, meta, chat, return_ids, echo, tool_mode)
+                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, scoring, tool_mode)
+            return await self._collect(requests, meta, chat, return_ids, scoring, tool_mode)
         finally:
             for r in requests:
                 if not r.finished:
                     log.debug("request %s ended before it finished (the client went away); aborted", r.request_id)
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
-    async def _collect(self, requests: list[Request], meta, chat, return_ids, echo=False,
+    async def _collect(self, requests: list[Request], meta, chat, return_ids, scoring: Scoring,
                        tool_mode=None) -> web.Response:
         async def drain(req: Request) -> dict[int, list[RequestOutput]]:
             by_index: dict[int, list[RequestOutput]] = {}
@@ -247,9 +225,11 @@ class Api:
                     return error_response(500, final.error or "generation failed", "server_error")
                 finals.append(final)
                 text = "".join(o.text for o in outputs)
-                choice = {"index": prompt_index * n + index, "finish_reason": final.finish_reason,
-                          "logprobs": _logprobs_json(outputs, self.engine.tokenizer, chat)}
+                choice = {"index": prompt_index * n + index, "finish_reason": final.finish_reason}
+                if return_ids:
+                    choice["token_ids"] = [t for o in outputs for t in o.token_ids]
                 if chat:
+                    choice["logprobs"] = logprobs_of(outputs, self.engine.tokenizer, True)
                     choice["message"] = {"role": "assistant", "content": text}
                     if tool_mode is not None:
                         content, calls = tools.parse_output(tool_mode, text)
@@ -258,15 +238,17 @@ class Api:
                             choice["message"]["tool_calls"] = calls
                             choice["finish_reason"] = "tool_calls"
                 else:
-                    choice["text"] = (prompt_text(requests[prompt_index], self.engine.tokenizer) if echo else "") + text
-                if return_ids:
-                    choice["token_ids"] = [t for o in outputs for t in o.token_ids]
+                    scoring.fill_choice(choice, requests[prompt_index], outputs, text)
                 choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        return web.json_response({**meta, "object": obj, "choices": choices, "usage": _usage(requests, finals)})
+        answer = {**meta, "object": obj, "choices": choices,
+                  "usage": _usage(requests, [] if scoring.score_only else finals)}
+        if chat and scoring.vllm_k is not None:   # vLLM puts a chat's prompt log-probs beside its choices
+            answer["prompt_logprobs"] = scoring.vllm_prompt(requests[0])
+        return web.json_response(answer)
 
     async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
-                      usage_mode: StreamUsage, echo: bool = False, tool_mode=None) -> web.StreamResponse:
+                      usage_mode: StreamUsage, scoring: Scoring, tool_mode=None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: request[REQUEST_ID_KEY]})
         await resp.prepare(request)
@@ -299,11 +281,11 @@ class Api:
                 for i in range(num_choices):
                     await send({**meta, "object": obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-            elif echo:   # the prompt comes first, once per choice
+            else:   # echo: the prompt comes first, once per choice (now, unless it waits for its log-probs)
                 for i in range(num_choices):
-                    await send({**meta, "object": obj, "choices": [
-                        {"index": i, "text": prompt_text(requests[i // n], self.engine.tokenizer),
-                         "finish_reason": None, "logprobs": None}]})
+                    opening = scoring.opening(i, requests[i // n])
+                    if opening is not None:
+                        await send({**meta, "object": obj, "choices": [opening]})
             num_ended = 0
             while len(finals) < num_choices and num_ended < len(requests):
                 index, out = await merged.get()
@@ -312,10 +294,12 @@ class Api:
                     continue
                 if out.finished:
                     finals[index] = out
-                generated[0] += len(out.token_ids)
-                choice = {"index": index, "finish_reason": out.finish_reason,
-                          "logprobs": _logprobs_json([out], self.engine.tokenizer, chat)}
+                generated[0] += 0 if scoring.score_only else len(out.token_ids)
+                choice = {"index": index, "finish_reason": out.finish_reason}
+                if return_ids:
+                    choice["token_ids"] = out.token_ids
                 if chat:
+                    choice["logprobs"] = logprobs_of([out], self.engine.tokenizer, True)
                     choice["delta"] = {"content": out.text} if out.text or not out.finished else {}
                     if tool_mode is not None:
                         # tool calls are known only when the text is whole: held back, then sent as one delta
@@ -327,13 +311,10 @@ class Api:
                         if calls:
                             choice["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
                             choice["finish_reason"] = "tool_calls"
-                else:
-                    choice["text"] = out.text
-                if return_ids:
-                    choice["token_ids"] = out.token_ids
                 if out.error:
                     choice["error"] = out.error
-                await send({**meta, "object": obj, "choices": [choice]})
+                for part in [choice] if chat else scoring.stream_choices(index, requests[index // n], out, choice):
+                    await send({**meta, "object": obj, "choices": [part]})
             for index in range(num_choices):
                 if index not in finals:   # ended before this choice began (a deadline, a shutdown)
                     req = requests[index // n]
@@ -342,7 +323,8 @@ class Api:
                         {"index": index, "finish_reason": req.end_reason, "logprobs": None,
                          **({"delta": {}} if chat else {"text": ""})}]})
             if usage_mode.final:
-                await send({**meta, "object": obj, "choices": [], "usage": _usage(requests, list(finals.values()))})
+                await send({**meta, "object": obj, "choices": [],
+                            "usage": _usage(requests, [] if scoring.score_only else list(finals.values()))})
             await resp.write(b"data: [DONE]\n\n")
         finally:
             for t in tasks:

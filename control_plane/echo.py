@@ -1,13 +1,9 @@
-"""Completions' `echo`: the prompt's text before the generated text, and `max_tokens: 0`, which
-generates nothing and answers with the prompt alone (a scoring request)."""
+"""Completions' `echo` with `max_tokens: 0` and no log-probs: the prompt alone, from the tokenizer, no
+model run. Echo with generation, and scoring with log-probs, are in control_plane/prompt_scoring.py."""
 from __future__ import annotations
 
 import time
 import uuid
-
-
-def prompt_text(request, tokenizer) -> str:
-    return tokenizer.decode(request.prompt_ids if hasattr(request, "prompt_ids") else request)
 
 
 def echo_only(prompts: list[list[int]], tokenizer, model: str, return_ids: bool) -> dict:

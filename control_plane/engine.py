@@ -319,7 +319,7 @@ class Engine:
             return
         self.isolation.on_success(out)
         self.scheduler.on_step_done(out)
-        self.outputs.apply(result.sampled)
+        self.outputs.apply(result.sampled, result.prompt_logprobs)
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler

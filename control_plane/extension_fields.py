@@ -6,6 +6,8 @@ exactly what is listed here; the values are validated where they are used.
 """
 from __future__ import annotations
 
+from control_plane.sampling_params import MAX_LOGPROBS
+
 
 def _t(types, desc: str, **extra) -> dict:
     return {"type": types, "description": desc, **extra}
@@ -44,12 +46,14 @@ VLLM_SAMPLING = {
     "bad_words": _t(["array", "null"], "words (strings) never generated", items={"type": "string"}),
     "truncate_prompt_tokens": _t(["integer", "null"], "keep only the prompt's last k tokens", minimum=1),
     "logit_bias": LOGIT_BIAS,
+    "prompt_logprobs": _t(["integer", "null"], "each prompt token's log-prob (null for the first), rank and this "
+                          "many alternatives, in vLLM's shape (the raw model distribution)", minimum=0, maximum=MAX_LOGPROBS),
 }
 
 COMPLETION_EXTENSIONS = {
     **VLLM_SAMPLING,
     "echo": _t(["boolean", "null"], "the prompt is returned before the completion (with its log-probs when "
-                                    "logprobs is set; with max_tokens 0 this scores the prompt)"),
+                                    "logprobs is set: the first is null; with max_tokens 0 this scores the prompt)"),
 }
 
 TOOL = {"type": "object", "required": ["type", "function"], "properties": {

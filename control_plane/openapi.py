@@ -48,6 +48,13 @@ def _generation(summary: str, body_ref: str, response_ref: str) -> dict:
         }}}
 
 
+# vLLM's shape: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+PROMPT_LOGPROBS = {"type": "array", "description": "with prompt_logprobs: k (the raw model distribution)",
+                   "items": {"type": ["object", "null"], "additionalProperties": {"type": "object", "properties": {
+                       "logprob": {"type": "number"}, "rank": {"type": "integer"},
+                       "decoded_token": {"type": "string"}}}}}
+
+
 def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
     choice_common = {"index": {"type": "integer"}, "finish_reason": FINISH_REASON,
                      "logprobs": {"type": ["object", "null"]},
@@ -57,10 +64,11 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
         "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": USAGE,
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            **choice_common, "text": {"type": "string"}}}}}}
+            **choice_common, "text": {"type": "string"},
+            "prompt_logprobs": PROMPT_LOGPROBS}}}}}
     chat = {"type": "object", "properties": {
         "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": USAGE,
+        "model": {"type": "string"}, "usage": USAGE, "prompt_logprobs": PROMPT_LOGPROBS,
         "choices": {"type": "array", "items": {"type": "object", "properties": {
             **choice_common, "message": {"type": "object", "properties": {
                 "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}}

@@ -10,6 +10,7 @@ import logging
 
 from collections import defaultdict
 
+from control_plane import prompt_scoring
 from control_plane.request import Request, RequestOutput
 from control_plane.scheduler import Scheduler
 from control_plane.sequence import Sequence, SeqStatus
@@ -36,7 +37,10 @@ class OutputProcessor:
         return list({id(r): r for r in self.owners.values()}.values())
 
     # --- a step's result ------------------------------------------------------------------
-    def apply(self, sampled: list[SampledToken]) -> None:
+    def apply(self, sampled: list[SampledToken], prompt_scores=()) -> None:
+        """prompt_scores: the step's PromptLogprobs, recorded before the tokens so that a request's prompt
+        log-probs are whole when its first output is emitted."""
+        prompt_scoring.record(self.owners, prompt_scores)
         draws: dict[int, list[SampledToken]] = defaultdict(list)
         for tok in sampled:
             draws[tok.seq_id].append(tok)

@@ -40,6 +40,9 @@ class Request:
         self.deadline: float | None = None           # time.monotonic() past which it is aborted
         self.replica = 0                             # which engine serves it (control_plane/router.py)
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # per prompt position, (logprob, rank, top alternatives) once the data plane computed it; position 0
+        # has none (control_plane/prompt_scoring.py records them)
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
 
     @property
     def buffered(self) -> bool:

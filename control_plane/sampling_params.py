@@ -62,6 +62,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     constraint: object = None    # structured output: a control_plane.structured.Constraint, or None
+    prompt_logprobs: int | None = None   # None: not asked; k: each prompt token's log-prob and k alternatives
 
     def __post_init__(self):
         self.best_of = max(self.best_of, self.n)
@@ -85,7 +86,9 @@ class SamplingParams:
         return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, draw_seed(self.seed, draw),
                             self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
                             self.min_tokens, stop_ids, self.logprobs or 0, first_draws, 0,
-                            list(self.logit_bias), list(self.allowed_token_ids), list(self.bad_words_ids))
+                            list(self.logit_bias), list(self.allowed_token_ids), list(self.bad_words_ids),
+                            # the first sample computes the prompt; the others fork after it
+                            self.prompt_logprobs if draw == 0 else None)
 
 
 def check_for_model(params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> None:

@@ -293,7 +293,8 @@ class Scheduler:
                 if needed + self.watermark_blocks > self.bm.num_free_blocks():
                     break
             seq = head
-            if seq.seq_id not in self.bm.tables:
+            if seq.seq_id not in self.bm.tables and not seq.wants_prompt_logprobs:
+                # (prompt log-probs need every prompt position computed: no prefix hit for those)
                 seq.num_computed_tokens = self.bm.match_prefix(seq.seq_id, seq.token_ids)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             growth = self._grow(seq, num_new, reserve=self.watermark_blocks)

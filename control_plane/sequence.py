@@ -58,5 +58,9 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.spec is not None and self.spec.prompt_logprobs is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, model_support, sampler
+from data_plane import attention, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -100,15 +100,21 @@ class ModelRunner:
         self.sliding_window = support.freeable_window
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
+        self._prompt_scores: list = []   # the step's prompt log-probs (data_plane/prompt_logprobs.py)
         self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
         compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
-        # few-token steps (a batch's tail) stream the weights through the CPU kernel
-        skinny = linear_ops.use_skinny_kernel(model)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; few-row linear kernel "
-                 "on %d layers", self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
-                 attention_ops.backend(device, self.dtype), skinny)
+        # a Llama-shaped float32 CPU model runs the lean forward; its linear layers, and every other
+        # model's, are routed by row count: few rows through the kernel, more through prepacked GEMM
+        self.lean, why_not = llama_forward.build(model) if config.lean_forward else (None, "--no-lean-forward")
+        routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
+                 "layers outside it: %d with the few-row kernel, %d with prepacked GEMM", self.num_blocks,
+                 self.block_size, self.num_blocks * block_bytes / 2**20, device,
+                 attention_ops.backend(device, self.dtype),
+                 "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
+                 routes["kernel"], routes["packed"])
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id
@@ -183,9 +189,10 @@ class ModelRunner:
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
+        self._prompt_scores = []
         sampled, num_tokens = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0)
         t2 = time.perf_counter()
-        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0)
+        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=self._prompt_scores)
 
     def _prepare(self, scheduled):
         input_ids, positions, slots, seq_lens, starts, block_rows, sample_rows = [], [], [], [], [0], [], []
@@ -237,11 +244,20 @@ class ModelRunner:
                             f"{table.index(FREED_BLOCK_ID, dead)}, inside the window of its queries from "
                             f"position {begin} (window {self.sliding_window}, block size {self.block_size})")
 
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
+        """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions)."""
+        if self.lean is not None:
+            return self.lean(ids[0], pos[0], ctx)
+        with attention.use_step_context(ctx):
+            return self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+
     @torch.inference_mode()
     def _forward_and_sample(self, scheduled, masks: dict[int, bytes] | None = None):
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
-        with attention.use_step_context(ctx):
-            hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        hidden = self._forward(ids, pos, ctx)
+        slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
+        if slices:
+            self._prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size)
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:

@@ -1,9 +1,17 @@
-"""The model's linear layers on CPU: the few-row kernel (kernels/cpu/skinny_linear.cpp) when a step
-has only a handful of tokens, torch's GEMM otherwise.
+"""Float32 linear layers on CPU, routed by the number of rows a step brings:
 
-A decode step of a few sequences only streams the weights; torch's GEMM reads them at about a
-third of the memory bandwidth for 2-16 rows on this project's 2-core machine, the kernel at
-about the full bandwidth. Above SKINNY_MAX_ROWS rows the GEMM's tiling wins and is kept.
+- 1..SKINNY_MAX_ROWS rows: the few-row kernel (kernels/cpu/skinny_linear.cpp), which streams each
+  weight row once at about the memory's bandwidth;
+- more rows: MKL's GEMM on a weight packed once at start (`torch.ops.mkl._mkl_linear`, the op
+  inductor's freezing uses), which skips the packing of the weight that `F.linear` redoes on
+  every call;
+- without MKL or the kernel: torch's own `F.linear`.
+
+The packed copy takes about as much resident memory as the weight itself (MKL's size estimate is
+larger, but the untouched pages are never resident). The packed format does not depend on the row
+count: a weight packed for 64 rows gives, for every count from 2 to 1000, the same result as one
+packed for that count (measured on SmolLM2's shapes), so one packed copy serves every step; the op
+falls back to `F.linear` unless it is told the rows it was packed for, so each call passes its own.
 """
 from __future__ import annotations
 
@@ -12,30 +20,73 @@ import torch.nn.functional as F
 
 from ops import cpu_kernels
 
-# measured on SmolLM2's layer shapes, 2 threads: all linears of a step 1.9-2.3x faster at 2-8 rows,
-# 1.4x at 16, even from 24 rows up (bench/cpu_kernels.py)
+# measured on the runner's decode step (bench/linear_routes.py): the kernel wins up to 16 rows,
+# the packed GEMM from 32 rows up (1.10-1.14x over F.linear at 32-64 rows)
 SKINNY_MAX_ROWS = 16
+PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 
 
-def use_skinny_kernel(model: torch.nn.Module) -> int:
-    """Route the float32, bias-free CPU linear layers of `model` through the kernel when few rows
-    come in; returns how many layers were routed (0 when the kernel is unavailable)."""
-    eligible = [m for m in model.modules()
-                if type(m) is torch.nn.Linear and m.bias is None and m.weight.dtype == torch.float32
-                and m.weight.device.type == "cpu" and m.weight.is_contiguous()]
-    kernel = cpu_kernels.load() if eligible else None   # no build at all for a GPU or bf16 model
-    if kernel is None:
-        return 0
-    for module in eligible:
-        module.forward = _skinny_forward(module, kernel)   # instance attribute: hooks still run
-    return len(eligible)
+def _packed_gemm(x, packed, weight, bias, rows):
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
-def _skinny_forward(module: torch.nn.Linear, kernel):
-    def forward(x: torch.Tensor) -> torch.Tensor:
+def has_packed_gemm() -> bool:
+    return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class RoutedLinear:
+    """y = x W^T + b for x [..., K], through the fastest route for its row count. `kernel` is the
+    loaded CPU kernel module (or None), `packed` whether to pack W for MKL's GEMM."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel, packed: bool,
+                 skinny_max_rows: int = SKINNY_MAX_ROWS):
+        self.weight, self.bias = weight, bias
+        self.kernel = kernel if bias is None else None   # the kernel adds no bias
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) \
+            if packed and has_packed_gemm() else None
+        self.skinny_max_rows = skinny_max_rows
+
+    @property
+    def routed(self) -> bool:
+        return self.kernel is not None or self.packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows <= SKINNY_MAX_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            out = kernel.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), module.weight)
-            return out.view(*x.shape[:-1], out.shape[-1])
-        return F.linear(x, module.weight)
-    return forward
+        if rows == 0 or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        if self.kernel is not None and rows <= self.skinny_max_rows:
+            out = self.kernel.skinny_linear(flat.contiguous(), self.weight)
+        elif self.packed is not None:
+            out = _packed_gemm(flat, self.packed, self.weight, self.bias, rows)
+        else:
+            out = F.linear(flat, self.weight, self.bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def eligible(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+
+
+def kernel_for(weights) -> object | None:
+    """The CPU kernel module when some of `weights` can use it (no build at all for a GPU or bf16 model)."""
+    return cpu_kernels.load() if any(eligible(w) for w in weights) else None
+
+
+def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS,
+                  packed: bool | None = None) -> dict[str, int]:
+    """Route the float32 CPU `nn.Linear` layers of `model` through the kernel (up to `skinny_max_rows`
+    rows) and the packed GEMM (`packed`: None uses it where MKL has it); returns how many layers each
+    route took over (0 each when neither is available). Calling it again re-routes."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and eligible(m.weight)]
+    kernel = kernel_for([m.weight for m in layers if m.bias is None])
+    packed = has_packed_gemm() if packed is None else packed
+    counts = {"kernel": 0, "packed": 0}
+    for module in layers:
+        routed = RoutedLinear(module.weight, module.bias, kernel, packed, skinny_max_rows)
+        if not routed.routed:
+            continue
+        module.forward = routed   # instance attribute: hooks still run
+        counts["kernel"] += routed.kernel is not None
+        counts["packed"] += routed.packed is not None
+    return counts

@@ -75,6 +75,7 @@ class DataPlaneConfig:
     tensor_parallel_size: int = 1       # ranks that split the model's heads and MLP columns (data_plane/tp_launch.py)
     curve_keys: str | None = None       # key folder (pagedserve keygen): CURVE-encrypted, authenticated link
     insecure: bool = False              # allow listening off loopback without CURVE keys
+    lean_forward: bool = True           # Llama-shaped float32 CPU models: data_plane/llama_forward.py
 
     def validate(self) -> "DataPlaneConfig":
         if self.dtype not in DTYPES:
@@ -197,6 +198,8 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
                              "only the control plane holding the client key")
     parser.add_argument("--insecure", action="store_true",
                         help="allow a data plane to listen off loopback without --curve-keys")
+    parser.add_argument("--no-lean-forward", dest="lean_forward", action="store_false",
+                        help="run transformers' forward even where pagedserve's lean Llama forward applies")
 
 
 def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
@@ -206,7 +209,7 @@ def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
         max_model_len=args.max_model_len, num_threads=args.num_threads,
         swap_blocks=args.swap_blocks, swap_space_gib=args.swap_space_gib,
         metrics_port=args.metrics_port, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-        curve_keys=args.curve_keys,
+        curve_keys=args.curve_keys, lean_forward=getattr(args, "lean_forward", True),
         insecure=getattr(args, "insecure", False)).validate()
 
 
@@ -226,4 +229,6 @@ def data_plane_argv(config: DataPlaneConfig) -> list[str]:
         argv += ["--curve-keys", config.curve_keys]
     if config.insecure:
         argv += ["--insecure"]
+    if not config.lean_forward:
+        argv += ["--no-lean-forward"]
     return argv

@@ -156,14 +156,19 @@ class SamplingSpec:
     logit_bias: list[tuple[int, float]] = field(default_factory=list)   # (token id, added to its logit)
     allowed_token_ids: list[int] = field(default_factory=list)          # non-empty: only these
     bad_words_ids: list[list[int]] = field(default_factory=list)        # last token banned after the rest
+    # None: no prompt log-probs; k >= 0: each prompt token's log-prob under the raw model distribution
+    # (data_plane/prompt_logprobs.py) and its k most likely alternatives
+    prompt_logprobs: int | None = None
 
     def to_wire(self) -> list:
-        # the three logits adjustments are optional trailing fields: absent on the wire while unused
-        return _trim([self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.presence_penalty,
-                      self.frequency_penalty, self.repetition_penalty, self.min_tokens,
-                      list(self.stop_token_ids), self.logprobs, self.n, self.beam_width,
-                      [list(b) for b in self.logit_bias], list(self.allowed_token_ids),
-                      [list(w) for w in self.bad_words_ids]], 3)
+        # the logits adjustments and prompt_logprobs are optional trailing fields: absent while unused
+        fields = [self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.presence_penalty,
+                  self.frequency_penalty, self.repetition_penalty, self.min_tokens,
+                  list(self.stop_token_ids), self.logprobs, self.n, self.beam_width,
+                  [list(b) for b in self.logit_bias], list(self.allowed_token_ids),
+                  [list(w) for w in self.bad_words_ids]]
+        # prompt_logprobs 0 is falsy but asked for: it is appended after the (then untrimmed) adjustments
+        return _trim(fields, 3) if self.prompt_logprobs is None else fields + [self.prompt_logprobs]
 
     @property
     def adjusts_logits(self) -> bool:
@@ -172,14 +177,17 @@ class SamplingSpec:
     @classmethod
     def from_wire(cls, body: list) -> "SamplingSpec":
         b = _list(body)
-        if not 13 <= len(b) <= 16:
-            raise ProtocolError(f"a sampling spec has 13 to 16 fields, got {len(b)}")
+        if not 13 <= len(b) <= 17:
+            raise ProtocolError(f"a sampling spec has 13 to 17 fields, got {len(b)}")
         (temperature, top_k, top_p, min_p, seed, presence, frequency, repetition, min_tokens, stop_ids,
-         logprobs, n, beam_width, bias, allowed, bad) = b + [[]] * (16 - len(b))
+         logprobs, n, beam_width, bias, allowed, bad) = (b + [[]] * (16 - len(b)))[:16]
+        prompt_logprobs = _opt_int(b[16]) if len(b) == 17 else None
+        if prompt_logprobs is not None and prompt_logprobs < 0:
+            raise ProtocolError(f"prompt_logprobs must be None or >= 0, got {prompt_logprobs}")
         return cls(_float(temperature), _int(top_k), _float(top_p), _float(min_p), _opt_int(seed), _float(presence),
                    _float(frequency), _float(repetition), _int(min_tokens), _ints(stop_ids), _int(logprobs), _int(n),
                    _int(beam_width), [(_int(t), _float(v)) for t, v in (_list(p, 2) for p in _list(bias))],
-                   _ints(allowed), [_ints(w) for w in _list(bad)])
+                   _ints(allowed), [_ints(w) for w in _list(bad)], prompt_logprobs)
 
 
 def _trim(fields: list, num_optional: int) -> list:
@@ -303,6 +311,29 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probs of a run of one sequence's prompt tokens, computed this step: entry i is about prompt
+    token first_position + i given the tokens before it (position 0 has none and is never sent)."""
+    seq_id: int
+    first_position: int                 # >= 1
+    logprobs: list[float]               # of each prompt token
+    ranks: list[int]                    # 1 + how many tokens were more likely than it
+    top: list[list[tuple[int, float]]] = field(default_factory=list)   # per token, when k > 0: k best
+
+    def to_wire(self) -> list:
+        return [self.seq_id, self.first_position, self.logprobs, self.ranks, [list(map(list, t)) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, body: list) -> "PromptLogprobs":
+        seq_id, first, logprobs, ranks, top = _list(body, 5)
+        out = cls(_int(seq_id), _int(first), [_float(v) for v in _list(logprobs)], _ints(ranks),
+                  [[(_int(i), _float(lp)) for i, lp in (_list(p, 2) for p in _list(t))] for t in _list(top)])
+        if out.first_position < 1 or len(out.ranks) != len(out.logprobs) or out.top and len(out.top) != len(out.ranks):
+            raise ProtocolError("prompt log-probs of inconsistent lengths or position")
+        return out
+
+
+@dataclass
 class StepResult:
     step_id: int
     sampled: list[SampledToken] = field(default_factory=list)  # sequences that finished their prompt
@@ -310,16 +341,24 @@ class StepResult:
     forward_seconds: float = 0.0    # model forward + sampling
     swap_seconds: float = 0.0       # swap and copy orders before the forward
     error: str | None = None        # the step failed as a whole; nothing was sampled
+    # sequences that asked for prompt log-probs: those of the prompt tokens this step computed.
+    # Optional at the end of the wire list: absent while no sequence asks.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return [self.step_id, [s.to_wire() for s in self.sampled], self.num_tokens,
-                self.forward_seconds, self.swap_seconds, self.error]
+        return _trim([self.step_id, [s.to_wire() for s in self.sampled], self.num_tokens,
+                      self.forward_seconds, self.swap_seconds, self.error,
+                      [p.to_wire() for p in self.prompt_logprobs]], 1)
 
     @classmethod
     def from_wire(cls, body: list) -> "StepResult":
-        step_id, sampled, num_tokens, forward_seconds, swap_seconds, error = _list(body, 6)
+        b = _list(body)
+        if len(b) not in (6, 7):
+            raise ProtocolError(f"a step result has 6 or 7 fields, got {len(b)}")
+        step_id, sampled, num_tokens, forward_seconds, swap_seconds, error = b[:6]
         return cls(_int(step_id), [SampledToken.from_wire(s) for s in _list(sampled)], _int(num_tokens),
-                   _float(forward_seconds), _float(swap_seconds), None if error is None else _str(error))
+                   _float(forward_seconds), _float(swap_seconds), None if error is None else _str(error),
+                   [PromptLogprobs.from_wire(p) for p in (_list(b[6]) if len(b) == 7 else [])])
 
 
 def _no_body(body) -> None:

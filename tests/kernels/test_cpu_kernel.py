@@ -101,7 +101,7 @@ def test_skinny_linear_refuses_what_it_cannot_compute(kernel):
         kernel.skinny_linear(torch.randn(2, 8), torch.randn(3, 9))
 
 
-def test_model_layers_route_few_rows_to_the_kernel_and_keep_hooks(kernel, monkeypatch):
+def test_model_layers_route_by_rows_and_keep_hooks(kernel, monkeypatch):
     from bench._common import plain_linears     # bench/overhead.py's bare baseline undoes the routing
     from ops import linear
     model = torch.nn.Sequential(torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(24, 16, bias=True),
@@ -111,20 +111,40 @@ def test_model_layers_route_few_rows_to_the_kernel_and_keep_hooks(kernel, monkey
     with torch.no_grad():
         few, many = torch.randn(1, 3, 40), torch.randn(1, 20, 40)
         expect_few, expect_many = model(few), model(many)
-        assert linear.use_skinny_kernel(model) == 2          # the layer with a bias keeps torch's forward
-        calls = []
+        packed = linear.has_packed_gemm()
+        # the layer with a bias never takes the kernel (it adds no bias); every layer takes packed GEMM
+        assert linear.route_linears(model) == {"kernel": 2, "packed": 3 if packed else 0}
+        calls, gemm_rows = [], []
         real = kernel.skinny_linear
         monkeypatch.setattr(kernel, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+        if packed:
+            real_gemm = torch.ops.mkl._mkl_linear
+            monkeypatch.setattr(linear, "_packed_gemm", lambda *a: gemm_rows.append(a[-1]) or real_gemm(*a))
         torch.testing.assert_close(model(few), expect_few, atol=1e-5, rtol=1e-5)
         assert calls == [3, 3]
         torch.testing.assert_close(model(many), expect_many, atol=1e-5, rtol=1e-5)
-        assert calls == [3, 3]                               # 20 rows: torch's GEMM
+        assert calls == [3, 3]                               # 20 rows: GEMM
+        assert gemm_rows == ([3, 20, 20, 20] if packed else [])
         with plain_linears(model):
             model(few)
         assert calls == [3, 3]
         model(few)
         assert calls == [3, 3, 3, 3]                         # routed again after the block
     assert len(hooked) == 6                                  # every forward, routed or not, ran the hook
+
+
+def test_packed_gemm_gives_torch_linear_at_every_row_count():
+    from ops import linear
+    if not linear.has_packed_gemm():
+        pytest.skip("this torch has no MKL")
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 72, generator=gen), torch.randn(96, generator=gen)
+    for with_bias in (False, True):
+        routed = linear.RoutedLinear(weight, bias if with_bias else None, None, packed=True)
+        for rows in (1, 2, 7, 17, 64, 65, 300):
+            x = torch.randn(rows, 72, generator=gen)
+            torch.testing.assert_close(routed(x), torch.nn.functional.linear(x, weight, bias if with_bias else None),
+                                       atol=1e-4, rtol=1e-5)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
@@ -153,4 +173,4 @@ def test_a_model_with_no_eligible_layer_routes_nothing_and_builds_nothing(monkey
     from ops import linear
     monkeypatch.setattr(cpu_kernels, "load", lambda: pytest.fail("the kernel must not be loaded"))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=True), torch.nn.Linear(8, 4).to(torch.bfloat16))
-    assert linear.use_skinny_kernel(model) == 0
+    assert linear.route_linears(model, packed=False) == {"kernel": 0, "packed": 0}

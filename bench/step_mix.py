@@ -1,0 +1,100 @@
+"""Where a trace's time goes, step by step: the real scheduler and the data plane's runner in one
+process (no HTTP, no ZeroMQ), on the throughput bench's traces, with the server's defaults.
+
+    python bench/step_mix.py                       # exp64, 64 requests
+    python bench/step_mix.py --workload sharegpt --num-requests 64
+
+Prints the time of the steps grouped by kind (steps that prefill, decode-only steps by batch size):
+which part of the trace a change to the forward pass can win back.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as C  # noqa: E402
+from throughput import VOCAB_SIZE, exp64_trace  # noqa: E402
+
+BUCKETS = [(1, 1), (2, 4), (5, 16), (17, 32), (33, 64), (65, 1 << 30)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="exp64", choices=["exp64", *sorted(C.WORKLOADS)])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    import torch
+
+    from control_plane.block_manager import BlockManager
+    from control_plane.plan_builder import build_plan
+    from control_plane.sampling_params import SamplingParams
+    from control_plane.scheduler import Scheduler
+    from control_plane.sequence import Sequence
+    from data_plane import attention
+    from data_plane.model_runner import ModelRunner
+    from shared.config import ControlPlaneConfig, DataPlaneConfig, default_model_path
+    trace = exp64_trace(args.num_requests, args.seed) if args.workload == "exp64" else \
+        C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload, (C.PROMPT_RANGE[0], 256),
+                     (C.OUTPUT_RANGE[0], 512))
+    print(C.machine_line(args.num_threads))
+    print(f"trace: {args.workload}, {C.describe_trace(trace)}")
+    model = C.load_hf_model(args.num_threads, attn_implementation=attention.register(), device="cpu")
+    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://mix"), torch.device("cpu"))
+    cp = ControlPlaneConfig   # the class attributes are the defaults
+    sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True),
+                      cp.max_num_seqs, cp.max_num_batched_tokens)
+    seqs = []
+    for i, req in enumerate(trace):
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        seqs.append(Sequence(f"r{i}", list(req.prompt_ids), len(req.prompt_ids), params, params.spec([]),
+                             arrival_time=float(i)))
+        sched.add(seqs[-1])
+    by_id = {s.seq_id: s for s in seqs}
+    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])   # steps, seconds, tokens
+    step, started = 0, time.perf_counter()
+    while sched.has_work():
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        step += 1
+        plan = build_plan(step, out, sched.bm)
+        sched.commit(out)
+        result = runner.execute(plan)
+        sched.on_step_done(out)
+        for tok in result.sampled:
+            seq = by_id[tok.seq_id]
+            seq.token_ids.append(tok.token_id)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+        took = time.perf_counter() - t0
+        rows = len(out.scheduled)
+        if rows == 0:
+            key = "steps with nothing to run"
+        elif result.num_tokens > rows:
+            key = "steps with prefill tokens"
+        else:
+            lo, hi = next(b for b in BUCKETS if b[0] <= rows <= b[1])
+            key = f"decode-only, {lo}-{hi} seqs" if lo != hi else f"decode-only, {lo} seq"
+        g = groups[key]
+        g[0] += 1
+        g[1] += took
+        g[2] += len(result.sampled)
+    wall = time.perf_counter() - started
+    produced = sum(r.output_len for r in trace)
+    print(f"\n{step} steps, {wall:.1f} s, {produced / wall:.1f} output tok/s (in-process, no HTTP)")
+    print(f"{'steps':<30} {'count':>6} {'seconds':>8} {'share':>6} {'ms/step':>8} {'tokens out':>10}")
+    for key in sorted(groups, key=lambda k: -groups[k][1]):
+        n, secs, toks = groups[key]
+        print(f"{key:<30} {n:>6} {secs:>8.2f} {100 * secs / wall:>5.1f}% {1e3 * secs / n:>8.1f} {toks:>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""data_plane/llama_forward.py: the lean Llama forward gives transformers' numbers, step by step."""
+import pytest
+import torch
+
+from data_plane import llama_forward
+from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan
+from tests.helpers import make_runner, paged_model
+
+
+def play(runner, prompts, steps, chunk=5):
+    """Prefill `prompts` in chunks of `chunk` tokens, then decode `steps` tokens each; returns every
+    sampled (seq_id, token, logprob, top logprobs) in order. Blocks: sequence i owns 16 blocks of 4."""
+    spec = SamplingSpec(temperature=0.0, logprobs=3)
+    sampled, step = [], 0
+    done = {i: 0 for i in range(len(prompts))}
+    first = True
+    while any(done[i] < len(p) for i, p in enumerate(prompts)):
+        step += 1
+        new, cached = [], []
+        for i, p in enumerate(prompts):
+            n = min(chunk, len(p) - done[i])
+            if n == 0:
+                continue
+            if first:
+                new.append(NewSequence(i, list(p), len(p), 0, n, list(range(16 * i, 16 * i + 16)), spec))
+            else:
+                cached.append(CachedSequence(i, n, []))
+            done[i] += n
+        first = False
+        result = runner.execute(StepPlan(step, new_seqs=new, cached_seqs=cached))
+        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
+    for _ in range(steps):
+        step += 1
+        result = runner.execute(StepPlan(step, cached_seqs=[CachedSequence(i, 1, []) for i in range(len(prompts))]))
+        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
+    return sampled
+
+
+def test_lean_forward_samples_what_transformers_forward_samples():
+    prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8, 41, 2, 60], [77] * 13]
+    lean_runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4)
+    hf_runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, lean_forward=False)
+    assert lean_runner.lean is not None and hf_runner.lean is None
+    lean, hf = play(lean_runner, prompts, steps=12), play(hf_runner, prompts, steps=12)
+    assert len(lean) == len(hf) == 3 * 13
+    assert [(s, t) for s, t, _, _ in lean] == [(s, t) for s, t, _, _ in hf]
+    for (_, _, lp_a, top_a), (_, _, lp_b, top_b) in zip(lean, hf):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+        assert [t for t, _ in top_a] == [t for t, _ in top_b]
+        assert [p for _, p in top_a] == pytest.approx([p for _, p in top_b], abs=1e-5)
+
+
+def test_stacked_weights_are_the_models_own_and_keep_its_forward():
+    model = paged_model(seed=4)
+    ids = torch.tensor([[5, 9, 23, 7]])
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        before = model(ids).logits
+    attn = model.model.layers[0].self_attn
+    q_before = attn.q_proj.weight.detach().clone()
+    forward = llama_forward.LlamaForward(model)
+    stacked = forward.layers[0].qkv.weight
+    assert attn.q_proj.weight.data_ptr() == stacked.data_ptr()          # a view: no copy kept beside it
+    assert attn.k_proj.weight.data_ptr() == stacked[attn.q_proj.weight.shape[0]:].data_ptr()
+    assert torch.equal(attn.q_proj.weight, q_before)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(attention_bias=True), "biased"),
+    (dict(mlp_bias=True), "biased"),
+    (dict(hidden_act="gelu"), "activation"),
+])
+def test_models_it_does_not_cover_keep_transformers_forward(change, reason):
+    from transformers import LlamaForCausalLM
+
+    from data_plane import attention
+    from tests.helpers import tiny_llama_config
+    config = tiny_llama_config()
+    for key, value in change.items():
+        setattr(config, key, value)
+    config._attn_implementation = attention.register()
+    model = LlamaForCausalLM(config).eval()
+    assert reason in llama_forward.unsupported_reason(model)
+    assert make_runner(model, swap_blocks=4).lean is None
+
+
+def test_a_bfloat16_llama_keeps_transformers_forward():
+    model = paged_model(seed=1).to(torch.bfloat16)
+    assert "bfloat16" in llama_forward.unsupported_reason(model)
+
+
+def test_another_architecture_keeps_transformers_forward():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    assert "not LlamaForCausalLM" in llama_forward.unsupported_reason(model)
