@@ -113,6 +113,34 @@ class LocalClient:
         return None
 
 
+class InProcessClient:
+    """Stands in for the ZeroMQ client: the runner executes plans in the order they were sent, as
+    the data plane's loop does, when their result is asked for."""
+    def __init__(self, runner):
+        self.runner = runner
+        self.sent = []          # plans sent and not yet executed
+        self.plans = []         # every plan, in order
+        self.sent_ahead = 0     # plans sent while an earlier one was not executed yet
+
+    async def send_plan(self, plan):
+        self.sent_ahead += bool(self.sent)
+        self.sent.append(plan)
+        self.plans.append(plan)
+
+    async def result_of(self, step_id, timeout):
+        while True:
+            result = self.runner.execute(self.sent.pop(0))
+            if result.step_id == step_id:
+                return result
+
+    async def step(self, plan, timeout):
+        await self.send_plan(plan)
+        return await self.result_of(plan.step_id, timeout)
+
+    async def ping(self, timeout):
+        return None
+
+
 class DigitTokenizer:
     """Enough of a tokenizer for the engine: ids print as space-separated numbers."""
     eos_token_id = 2
@@ -121,13 +149,11 @@ class DigitTokenizer:
         return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
 
 
-def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None, model=None):
-    """The real engine over an in-process runner of `model` (default: the tiny Llama, seed 0):
-    (engine, its LocalClient)."""
+def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None):
+    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its LocalClient)."""
     from control_plane.engine import Engine
     from shared.config import ControlPlaneConfig
-    runner = make_runner(model if model is not None else paged_model(seed=0), num_blocks=num_blocks,
-                         block_size=block_size, swap_blocks=swap_blocks)
+    runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=swap_blocks)
     cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
                             preemption_mode=mode)
     client = LocalClient(runner)
