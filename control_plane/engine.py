@@ -70,8 +70,8 @@ class Engine:
     def _block_manager(self) -> BlockManager:
         """An empty block manager for the data plane of the last handshake: its pools, and the window
         beyond which a sequence's blocks go back to the pool (0: some layer sees everything)."""
-        hs = self.hs
-        return BlockManager(hs.num_device_blocks, hs.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
+        hs, caching = self.hs, self.config.enable_prefix_caching
+        return BlockManager(hs.num_device_blocks, hs.block_size, enable_prefix_caching=caching,
                             num_cpu_blocks=hs.num_cpu_blocks, sliding_window=hs.sliding_window)
 
     @property
