@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
+from data_plane import attention, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
 from ops import warmup
 from ops.cache_ops import copy_blocks
-from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
+from shared.config import DTYPE_BYTES, MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
 from shared.protocol import FREED_BLOCK_ID, Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -81,8 +81,16 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
+        model_max = getattr(mc, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(model_max, config.max_model_len or model_max)
+        # not with tensor parallelism: its all_reduce between ranks is not captured
+        capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1
+        graph_buckets = decode_graphs.buckets_up_to(decode_graphs.MAX_BATCH)
+        reserve = decode_graphs.reserve_bytes(
+            graph_buckets[-1], mc.hidden_size, getattr(mc, "intermediate_size", 4 * mc.hidden_size),
+            mc.num_attention_heads * self.head_dim, DTYPE_BYTES[config.dtype]) if capture else 0
         self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
-                                                    config.kv_cache_gib)
+                                                    config.kv_cache_gib, reserve)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
         self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
@@ -90,8 +98,6 @@ class ModelRunner:
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
-        model_max = getattr(mc, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(model_max, config.max_model_len or model_max)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
         support = model_support.check_model(model)
@@ -109,6 +115,11 @@ class ModelRunner:
         # model's, are routed by row count: few rows through the kernel, more through prepacked GEMM
         self.lean, why_not = llama_forward.build(model) if config.lean_forward else (None, "--no-lean-forward")
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model)
+        self.graphs = None
+        if config.decode_graphs == "eager" or capture:
+            self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
+                                                     -(-self.max_model_len // self.block_size), graph_buckets,
+                                                     device, capture)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
                  "layers outside it: %d with the few-row kernel, %d with prepacked GEMM", self.num_blocks,
                  self.block_size, self.num_blocks * block_bytes / 2**20, device,
@@ -246,6 +257,13 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
         """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions)."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(ids, pos, ctx)   # decode-only steps up to the largest bucket
+            if hidden is not None:
+                return hidden
+        return self._forward_eager(ids, pos, ctx)
+
+    def _forward_eager(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
         if self.lean is not None:
             return self.lean(ids[0], pos[0], ctx)
         with attention.use_step_context(ctx):

@@ -66,6 +66,37 @@ def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=No
     return ModelRunner(model.to(device), config, torch.device(device))
 
 
+def play_steps(runner, prompts, steps, chunk=5):
+    """Plays fixed plans, no scheduler: prefill `prompts` in chunks of `chunk` tokens, then decode
+    `steps` tokens each; returns every sampled (seq_id, token, logprob, top logprobs) in order.
+    Blocks: sequence i owns blocks 16i .. 16i + 15."""
+    from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan
+    spec = SamplingSpec(temperature=0.0, logprobs=3)
+    sampled, step = [], 0
+    done = {i: 0 for i in range(len(prompts))}
+    first = True
+    while any(done[i] < len(p) for i, p in enumerate(prompts)):
+        step += 1
+        new, cached = [], []
+        for i, p in enumerate(prompts):
+            n = min(chunk, len(p) - done[i])
+            if n == 0:
+                continue
+            if first:
+                new.append(NewSequence(i, list(p), len(p), 0, n, list(range(16 * i, 16 * i + 16)), spec))
+            else:
+                cached.append(CachedSequence(i, n, []))
+            done[i] += n
+        first = False
+        result = runner.execute(StepPlan(step, new_seqs=new, cached_seqs=cached))
+        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
+    for _ in range(steps):
+        step += 1
+        result = runner.execute(StepPlan(step, cached_seqs=[CachedSequence(i, 1, []) for i in range(len(prompts))]))
+        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
+    return sampled
+
+
 # --- the wire ---------------------------------------------------------------------------------------
 def handshake(**overrides):
     """SmolLM2's handshake (30 layers, 3 KV heads of 64), with `overrides`."""
