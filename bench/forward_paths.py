@@ -5,8 +5,9 @@
 
 Paths: `torch` (transformers' forward, F.linear everywhere), `kernel16` (transformers' forward, the
 few-row kernel up to 16 rows and F.linear above: the data plane before the lean forward), `routed`
-(transformers' forward, linear layers routed as ops/linear.py does now), `lean` (the default:
-data_plane/llama_forward.py). For each batch the paths' steps alternate, so drift in the machine's
+(transformers' forward, linear layers routed as ops/linear.py does now), `lean-ops` (the lean
+forward with torch's operations for norm, rotary and SiLU), `lean` (the default:
+data_plane/llama_forward.py with the fused CPU kernels). For each batch the paths' steps alternate, so drift in the machine's
 speed hits all of them alike.
 Prints the median ms per step and each route's speed-up over `torch`. Whether the routes keep
 the tokens identical is the tests' job (tests/kernels/test_cpu_kernel.py, the runner's oracle tests).
@@ -26,7 +27,7 @@ import _common as C  # noqa: E402
 from overhead import RunnerSteps  # noqa: E402
 
 ROUTES = {"torch": dict(skinny_max_rows=0, packed=False), "kernel16": dict(skinny_max_rows=16, packed=False),
-          "routed": {}, "lean": {}}
+          "routed": {}, "lean-ops": {}, "lean": {}}
 
 
 def main(argv=None) -> int:
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
                             warmup=2)
     runner = RunnerSteps(model, ns)
     lean = runner.runner.lean
+    fused = lean.fused if lean is not None else None
     if lean is None:
         print("the lean forward does not apply here; its column repeats `routed`")
     print(f"\ndecode step, context {args.context}, {args.reps} alternating steps per route, median ms per step")
@@ -54,7 +56,9 @@ def main(argv=None) -> int:
         for rep in range(args.reps + 1):
             for route, kw in ROUTES.items():
                 linear.route_linears(model, **kw)
-                runner.runner.lean = lean if route == "lean" else None
+                runner.runner.lean = lean if route.startswith("lean") else None
+                if lean is not None:
+                    lean.fused = fused if route == "lean" else None
                 t = time.perf_counter()
                 step()
                 if rep:                 # the first round warms every route up

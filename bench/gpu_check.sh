@@ -6,7 +6,7 @@
 # Runs, each under its own time limit so that one stuck part cannot eat the rest:
 #   1. `pytest -m gpu`: the Triton kernels at large shapes and the runner and server on CUDA (2 min);
 #   2. bench/throughput.py, 256 requests, float32 then bfloat16: pagedserve against transformers'
-#      continuous batching on the GPU (2 x 2 min);
+#      continuous batching on the GPU (2 x 2 min), and float32 with the decode graphs off (1.5 min);
 #   3. bench/serving.py at 2-16 req/s: p50/p99 TTFT, TPOT (1.5 min);
 #   4. bench/gpu_profile.py engine: a decode step's launch time against its kernels' GPU time (1 min).
 # Prerequisites on the machine (a lent machine starts bare; docs/performance.md, "On a GPU", says
@@ -34,12 +34,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
     | tee -a "$RESULTS/gpu-machine.txt"
 
-step gpu-tests-h200 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider
-step throughput-256-h200 140 "$PY" bench/throughput.py --num-requests 256 --systems ac --num-threads 4 \
+step gpu-tests-h200 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider
+step throughput-256-h200 120 "$PY" bench/throughput.py --num-requests 256 --systems ac --num-threads 4 \
     --kv-cache-gib 16
-step throughput-256-h200-bf16 120 "$PY" bench/throughput.py --num-requests 256 --systems ac --num-threads 4 \
+# the same trace with the decode graphs off: what the graphs buy (pagedserve alone)
+step throughput-256-h200-nographs 80 "$PY" bench/throughput.py --num-requests 256 --systems a --num-threads 4 \
+    --kv-cache-gib 16 --serve-flag=--decode-graphs=off
+step throughput-256-h200-bf16 100 "$PY" bench/throughput.py --num-requests 256 --systems ac --num-threads 4 \
     --kv-cache-gib 16 --dtype bfloat16
-step serving-h200 100 "$PY" bench/serving.py --num-threads 4 --rates 2,4,8,16 --num-prompts 48 \
+step serving-h200 90 "$PY" bench/serving.py --num-threads 4 --rates 2,4,8,16 --num-prompts 48 \
     --plot docs/serving-h200.png
-step gpu-profile-h200 60 "$PY" bench/gpu_profile.py engine
+step gpu-profile-h200 50 "$PY" bench/gpu_profile.py engine
 echo "== gpu_check done in $(( $(date +%s) - started ))s; results in $RESULTS"

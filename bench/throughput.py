@@ -59,6 +59,8 @@ def parse_args(argv=None):
                          "90%% of free memory on a GPU)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the model's dtype in every system (tokens are compared only in float32)")
+    ap.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                    help="one more flag for (a)'s `pagedserve serve`, e.g. --serve-flag=--decode-graphs=off")
     ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
     args = ap.parse_args(argv)
     if args.quick:
@@ -210,7 +212,8 @@ def main(argv=None) -> int:
     server = None
     if "a" in args.systems:   # the data plane loads its model while this process loads its own
         pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
-        server = C.start_server(args.num_threads, [*args.server_flags, *pool, "--dtype", args.dtype])
+        server = C.start_server(args.num_threads, [*args.server_flags, *pool, "--dtype", args.dtype,
+                                                   *args.serve_flag])
     model = C.load_hf_model(args.num_threads) if {"b", "c"} & set(args.systems) else None
     if model is not None and args.dtype != "float32":
         import torch

@@ -10,6 +10,24 @@ Prefix cache: a full, computed block is hashed on its tokens chained on its pare
 so equal hashes mean equal prefixes (lookups also compare the tokens). A new sequence reuses
 the longest run of cached full blocks, but never one holding its last known token: that
 token must be computed to produce logits, and it is never written into a shared block.
+
+Sliding window: when every layer of the model attends to at most the last W positions (the
+handshake's `sliding_window`), a query at position p reads keys p - W < j <= p only. A sequence
+whose next query sits at position c (its computed tokens) never reads a block again once the
+block lies wholly before c - W + 1:
+
+    W = 6, block size 4, c = 14:   [0 1 2 3][4 5 6 7][8 9 10 11][12 13 _ _]
+                                    dead      dead     live: 9 .. 13 are read by the query at 14
+
+    dead blocks = (c - W + 1) // block size        (here 9 // 4 = 2)
+
+Such a block goes back to the pool (free_outside_window) and its table entry becomes None, a
+placeholder that keeps the logical indices of the blocks after it; the data plane gets -1 there
+(FREED_BLOCK_ID) when a table is sent in full, and never reads it. A placeholder is never swapped,
+copied or shared (a fork copies it as a placeholder). A freed block keeps its prefix-cache hash
+until the pool hands it out again, like any free block, so it can still serve a later prefix. A
+prefix hit of k blocks needs only the blocks that a query at position k * block size reads: the
+blocks before them may be gone, and the new table gets placeholders for them (match_prefix).
 """
 from __future__ import annotations
 
@@ -17,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from control_plane.block_pool import Block, BlockPool
+from shared.protocol import FREED_BLOCK_ID
 
 
 def chain_block_hashes(token_ids: list[int], block_size: int, num_blocks: int, start: int = 0,
@@ -37,18 +56,24 @@ class Growth:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0,
+                 sliding_window: int = 0):
+        assert sliding_window >= 0, f"sliding_window must be >= 0 (0: some layer sees everything), got {sliding_window}"
         self.block_size = block_size
+        # every layer sees at most this many positions, its own included (0: some layer sees all)
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_tables: dict[int, list[Block]] = {}   # swapped-out sequences
         self.enable_prefix_caching = enable_prefix_caching
-        self.tables: dict[int, list[Block]] = {}
+        # a None entry: a block that left the sliding window and went back to the pool
+        self.tables: dict[int, list[Block | None]] = {}
         # per sequence: (leading blocks already hashed, hash of the last of them)
         self._hashed: dict[int, tuple[int, int | None]] = {}
         self.prefix_queries = 0                 # tokens looked up in the prefix cache
         self.prefix_hits = 0                    # of which found
         self.num_cow_copies = 0
+        self.num_window_freed = 0               # table entries freed because they left the window
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -68,7 +93,13 @@ class BlockManager:
         return self.cpu_pool.usage() if self.cpu_pool else 0.0
 
     def block_ids(self, seq_id: int) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq_id, ())]
+        return [FREED_BLOCK_ID if b is None else b.block_id for b in self.tables.get(seq_id, ())]
+
+    def num_dead_blocks(self, num_computed: int) -> int:
+        """Leading blocks that no query at position num_computed or later reads (see the top)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     # --- growth ---------------------------------------------------------------------
     def _cow_index(self, table: list[Block], write_from: int | None) -> int | None:
@@ -113,7 +144,8 @@ class BlockManager:
         assert child_id not in self.tables, f"sequence {child_id} already has blocks"
         table = self.tables[parent_id]
         for block in table:
-            self.pool.incref(block)
+            if block is not None:
+                self.pool.incref(block)
         self.tables[child_id] = list(table)
         if parent_id in self._hashed:
             self._hashed[child_id] = self._hashed[parent_id]
@@ -122,15 +154,37 @@ class BlockManager:
         """Release the sequence's blocks (device or CPU), last first, so that a prefix's tail is
         evicted before its head."""
         for block in reversed(self.tables.pop(seq_id, [])):
-            self.pool.free(block)
+            if block is not None:
+                self.pool.free(block)
         for block in reversed(self.cpu_tables.pop(seq_id, [])):
-            self.cpu_pool.free(block)
+            if block is not None:
+                self.cpu_pool.free(block)
         self._hashed.pop(seq_id, None)
+
+    def free_outside_window(self, seq_id: int, num_computed: int) -> int:
+        """Gives back the blocks of the sequence that no query from position `num_computed` on reads
+        (a block shared with a fork stays in the pool until the fork lets go of it too); their
+        entries become placeholders. Returns how many entries were freed now.
+
+        Safe at any time: a plan already sent runs on the data plane before any later plan that
+        could reuse the block, and the sequence's own later queries all sit at num_computed or after."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return 0
+        dead = min(self.num_dead_blocks(num_computed), len(table))
+        freed = 0
+        for i in range(dead):   # front first: the oldest context goes first, like a prefix's tail last
+            if table[i] is not None:
+                self.pool.free(table[i])
+                table[i] = None
+                freed += 1
+        self.num_window_freed += freed
+        return freed
 
     # --- swapping -------------------------------------------------------------------------
     @staticmethod
-    def _unique_blocks(tables: list[list[Block]]) -> int:
-        return len({b.block_id for table in tables for b in table})
+    def _unique_blocks(tables: list[list[Block | None]]) -> int:
+        return len({b.block_id for table in tables for b in table if b is not None})
 
     def num_blocks_of(self, seq_ids: list[int], on_cpu: bool = False) -> int:
         """Distinct blocks held by these sequences (shared ones once)."""
@@ -148,6 +202,9 @@ class BlockManager:
         for seq_id in seq_ids:
             new_table = []
             for block in src_tables.pop(seq_id):
+                if block is None:   # freed by the window: nothing to move, the placeholder stays
+                    new_table.append(None)
+                    continue
                 target = moved.get(block.block_id)
                 if target is None:
                     target = dst_pool.allocate()
@@ -175,27 +232,40 @@ class BlockManager:
 
     # --- prefix cache -------------------------------------------------------------------
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
-        """For a sequence without blocks: share the longest cached prefix; returns its length in tokens."""
+        """For a sequence without blocks: share the longest cached prefix; returns its length in tokens.
+
+        Without a window a prefix of k blocks needs all k cached. With one, only the blocks that a
+        query at position k * block size reads (see the top): those before are placeholders, so a
+        prefix whose head was evicted still serves when its tail is cached."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
         if not self.enable_prefix_caching:
             return 0
         # never the block holding the last token: it must be computed, and never written when shared
         max_blocks = (len(token_ids) - 1) // self.block_size
-        table: list[Block] = []
-        last_hash = None
-        for _, block_hash, key in chain_block_hashes(token_ids, self.block_size, max_blocks):
+        found: list[Block] = []          # found[i]: block i, within the current run of cached blocks
+        run_start = 0                    # first block of the run of cached blocks ending at i
+        best, best_hash = 0, None        # longest usable prefix in blocks, and its last block's hash
+        for i, block_hash, key in chain_block_hashes(token_ids, self.block_size, max_blocks):
             block = self.pool.lookup(block_hash, key)
             if block is None:
-                break
+                if not self.sliding_window:
+                    break                # every later prefix would need this block
+                run_start = i + 1
+                found.append(None)
+                continue
+            found.append(block)
+            if run_start <= self.num_dead_blocks((i + 1) * self.block_size):
+                best, best_hash = i + 1, block_hash
+        dead = self.num_dead_blocks(best * self.block_size)
+        table: list[Block | None] = [None] * dead + found[dead:best]
+        for block in table[dead:]:
             self.pool.incref(block)
-            table.append(block)
-            last_hash = block_hash
         self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(table) * self.block_size
-        if table:
+        self.prefix_hits += best * self.block_size
+        if best:
             self.tables[seq_id] = table
-            self._hashed[seq_id] = (len(table), last_hash)
-        return len(table) * self.block_size
+            self._hashed[seq_id] = (best, best_hash)
+        return best * self.block_size
 
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
         """Registers the sequence's blocks that became full and computed."""
@@ -205,7 +275,8 @@ class BlockManager:
         done, parent = self._hashed.get(seq_id, (0, None))
         full = min(num_computed // self.block_size, len(table))
         for i, block_hash, key in chain_block_hashes(token_ids, self.block_size, full, done, parent):
-            if table[i].block_hash is None:
+            # (None: freed by the window before it was registered; the chain goes on past it)
+            if table[i] is not None and table[i].block_hash is None:
                 # False when another sequence cached the same contents first: this copy stays private
                 self.pool.register(table[i], block_hash, key)
             parent = block_hash
@@ -213,9 +284,14 @@ class BlockManager:
             self._hashed[seq_id] = (full, parent)
 
     def check_integrity(self) -> None:
-        references = Counter(b.block_id for table in self.tables.values() for b in table)
+        references = Counter(b.block_id for table in self.tables.values() for b in table if b is not None)
         self.pool.check_integrity(references)
         if self.cpu_pool is not None:
-            cpu_refs = Counter(b.block_id for table in self.cpu_tables.values() for b in table)
+            cpu_refs = Counter(b.block_id for table in self.cpu_tables.values() for b in table if b is not None)
             self.cpu_pool.check_integrity(cpu_refs)
+        for table in (*self.tables.values(), *self.cpu_tables.values()):
+            placeholders = [i for i, b in enumerate(table) if b is None]
+            assert self.sliding_window or not placeholders, "a placeholder without a sliding window"
+            # placeholders form a prefix of the table's dead part: never a block a query still reads
+            assert placeholders == list(range(len(placeholders))), f"placeholders not leading: {placeholders}"
         assert not set(self.tables) & set(self.cpu_tables), "a sequence holds device and CPU blocks at once"

@@ -46,9 +46,7 @@ class Engine:
         self.client = client
         self.hs = handshake
         self.tokenizer = tokenizer
-        block_manager = BlockManager(handshake.num_device_blocks, handshake.block_size,
-                                     enable_prefix_caching=config.enable_prefix_caching,
-                                     num_cpu_blocks=handshake.num_cpu_blocks)
+        block_manager = self._block_manager()
         self.policy = PreemptionPolicy(config.preemption_mode, PreemptionPolicy.block_bytes_of(handshake))
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.policy,
                                    overlap=config.async_scheduling)
@@ -68,6 +66,13 @@ class Engine:
         self.stats = metrics.EngineStats(config.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.stats, tokenizer, self.eos_token_ids,
                                        handshake.max_model_len)
+
+    def _block_manager(self) -> BlockManager:
+        """An empty block manager for the data plane of the last handshake: its pools, and the window
+        beyond which a sequence's blocks go back to the pool (0: some layer sees everything)."""
+        hs, caching = self.hs, self.config.enable_prefix_caching
+        return BlockManager(hs.num_device_blocks, hs.block_size, enable_prefix_caching=caching,
+                            num_cpu_blocks=hs.num_cpu_blocks, sliding_window=hs.sliding_window)
 
     @property
     def owners(self) -> dict[int, Request]:
@@ -260,9 +265,7 @@ class Engine:
     def _requeue_all(self) -> None:
         """After a data-plane restart its pool is new and empty: every sequence starts over. The new
         data plane may differ (pool sizes, dtype): what depends on its handshake is renewed."""
-        num_seqs = self.scheduler.restart(BlockManager(
-            self.hs.num_device_blocks, self.hs.block_size, enable_prefix_caching=self.config.enable_prefix_caching,
-            num_cpu_blocks=self.hs.num_cpu_blocks))
+        num_seqs = self.scheduler.restart(self._block_manager())
         self.stats.on_new_block_manager()
         self.policy.block_bytes = PreemptionPolicy.block_bytes_of(self.hs)
         self.outputs.max_model_len = self.hs.max_model_len
@@ -325,6 +328,9 @@ class Engine:
                  "preemptions %d recompute / %d swap", len(s.running), len(s.waiting), len(s.swapped),
                  100 * s.bm.usage(), 100 * s.bm.cpu_usage(), self.stats.take_generated() / max(elapsed, 1e-9),
                  s.num_preemptions, s.num_swap_preemptions)
+        if s.bm.sliding_window:
+            log.info("sliding window %d on every layer: %d blocks freed so far because they left it",
+                     s.bm.sliding_window, s.bm.num_window_freed)
 
     async def stop(self) -> None:
         self._stopping = True

@@ -80,6 +80,9 @@ class EngineStats:
         self.swap_blocks = {d: swap_blocks.labels(model_name, d) for d in SWAP_DIRECTIONS}
         self.cow_copies = counter("pagedserve_kv_block_copies_total",
                                   "Copy-on-write copies of a shared KV block (a sample or beam wrote into it)")
+        self.window_freed = counter("pagedserve_kv_blocks_freed_by_window_total",
+                                    "KV blocks given back while their sequence ran, because they lay wholly "
+                                    "outside every layer's sliding window (0 unless every layer has a window)")
         self.blocks_shared = gauge("pagedserve_kv_blocks_shared",
                                    "Device KV blocks referenced by more than one sequence")
         finished = Counter("pagedserve_request_success_total", "Finished requests, by finish reason",
@@ -105,6 +108,7 @@ class EngineStats:
         self._last_token_time: dict[int, float] = {}
         self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
         self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step
+        self._window_freed_seen = 0  # the block manager's cumulative window-freed count at the last step
         # sequences already scheduled once: their queue time is counted; dropped when they end
         self._scheduled: set[int] = set()
 
@@ -114,6 +118,7 @@ class EngineStats:
         again. (Deltas against the old ones would undercount, and a negative hit delta failed the step.)"""
         self._prefix_seen = (0, 0)
         self._copies_seen = 0
+        self._window_freed_seen = 0
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.received.inc()
@@ -138,6 +143,9 @@ class EngineStats:
         if copies > self._copies_seen:
             self.cow_copies.inc(copies - self._copies_seen)
             self._copies_seen = copies
+        if load.num_window_freed > self._window_freed_seen:
+            self.window_freed.inc(load.num_window_freed - self._window_freed_seen)
+            self._window_freed_seen = load.num_window_freed
         self.blocks_shared.set(load.num_shared_blocks)
         queries, hits = load.prefix_queries, load.prefix_hits
         if queries > self._prefix_seen[0]:

@@ -69,6 +69,7 @@ class SchedulerLoad:
     num_shared_blocks: int         # device blocks referenced by more than one sequence now
     prefix_queries: int            # prompt tokens looked up in the prefix cache so far
     prefix_hits: int               # of which found
+    num_window_freed: int = 0      # blocks given back so far because they left every layer's window
 
 
 @dataclass
@@ -317,12 +318,16 @@ class Scheduler:
         self.running.append(child)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """The data plane computed what `out` scheduled: the blocks it filled join the prefix cache.
-        (With overlap, a later step committed since may count tokens not known yet: those wait.)"""
+        """The data plane computed what `out` scheduled: the blocks it filled join the prefix cache,
+        then those that left the sliding window go back to the pool (registered first, so that they
+        can still serve a prefix until the pool hands them out again). (With overlap, a later step
+        committed since may count tokens not known yet: those wait.)"""
         for s in out.scheduled:
             seq = s.seq
             if seq.status is SeqStatus.RUNNING:
-                self.bm.cache_computed_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, seq.num_tokens))
+                computed = min(seq.num_computed_tokens, seq.num_tokens)
+                self.bm.cache_computed_blocks(seq.seq_id, seq.token_ids, computed)
+                self.bm.free_outside_window(seq.seq_id, computed)
 
     def restart(self, block_manager: BlockManager) -> int:
         """The data plane came back with a new, empty pool: every unfinished sequence waits to be
@@ -342,7 +347,8 @@ class Scheduler:
     def load(self) -> SchedulerLoad:
         bm = self.bm
         return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), bm.usage(), bm.cpu_usage(),
-                             bm.num_cow_copies, bm.num_shared_blocks, bm.prefix_queries, bm.prefix_hits)
+                             bm.num_cow_copies, bm.num_shared_blocks, bm.prefix_queries, bm.prefix_hits,
+                             bm.num_window_freed)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity()

@@ -15,14 +15,16 @@ CUDA_MEMORY_FRACTION = 0.9
 
 
 def choose_num_blocks(block_bytes: int, device: torch.device, kv_cache_blocks: int | None,
-                      kv_cache_gib: float | None) -> int:
+                      kv_cache_gib: float | None, reserve_bytes: int = 0) -> int:
+    """`reserve_bytes`: memory something allocated after the pool will need (the decode graphs),
+    kept out of the default CUDA budget."""
     if kv_cache_blocks is not None:
         return kv_cache_blocks
     if kv_cache_gib is not None:
         budget = kv_cache_gib * GIB
     elif device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        budget = free * CUDA_MEMORY_FRACTION
+        budget = (free - reserve_bytes) * CUDA_MEMORY_FRACTION
     else:
         budget = DEFAULT_CPU_GIB * GIB
     num_blocks = int(budget // block_bytes)

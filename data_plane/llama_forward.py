@@ -23,6 +23,10 @@ from ops import linear as linear_ops
 from ops.attention import paged_attention, write_kv
 
 
+# steps of more rows take SiLU(gate) * up from torch (kernels/cpu/fused_ops.cpp's exp is scalar)
+FUSED_SILU_MAX_ROWS = 2
+
+
 def unsupported_reason(model) -> str | None:
     """None when `model` can run this forward, else why not."""
     cfg = model.config
@@ -78,6 +82,10 @@ class _Layer:
         self.act = mlp.act_fn
 
 
+def _plain_silu(model) -> bool:
+    return type(model.model.layers[0].mlp.act_fn).__name__ == "SiLUActivation"
+
+
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     # transformers' LlamaRMSNorm, operation for operation (float32 in, float32 out)
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -93,37 +101,64 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaForward:
     """hidden states [tokens, hidden] of the model's last norm for one step's flattened tokens."""
 
-    def __init__(self, model):
+    def __init__(self, model, fused: bool = True):
         self.model = model.model
         kernel = linear_ops.kernel_for([model.get_output_embeddings().weight])
         packed = linear_ops.has_packed_gemm()
         self.layers = [_Layer(layer, kernel, packed) for layer in self.model.layers]
+        # the fused norm/rotary/SiLU kernels when built, else torch's operations
+        self.fused = kernel if kernel is not None and _plain_silu(model) and fused else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         m = self.model
         hidden = m.embed_tokens(input_ids)                                   # [tokens, hidden]
         cos, sin = m.rotary_emb(hidden[None], position_ids=positions[None])  # [1, tokens, dim]
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]                    # [tokens, 1, dim]
-        tokens = hidden.shape[0]
+        if self.fused is not None:
+            return self._fused_layers(hidden, cos[0].contiguous(), sin[0].contiguous(), ctx)
+        return self._torch_layers(hidden, cos[0, :, None, :], sin[0, :, None, :], ctx)
+
+    def _attend(self, index: int, layer: _Layer, q, k, v, ctx) -> torch.Tensor:
+        cache = ctx.kv_pool[index]
+        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
+        out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                              layer.scaling, ctx.max_query_len)
+        return layer.o(out.reshape(q.shape[0], layer.q_size))
+
+    def _split(self, layer: _Layer, qkv: torch.Tensor):
+        tokens = qkv.shape[0]
+        q = qkv[:, :layer.q_size].view(tokens, layer.num_heads, layer.head_dim)
+        k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, layer.num_kv_heads, layer.head_dim)
+        v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
+        return q, k, v
+
+    def _torch_layers(self, hidden, cos, sin, ctx) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
             residual = hidden
-            x = _rms_norm(layer.input_norm, hidden)
-            qkv = layer.qkv(x)
-            q = qkv[:, :layer.q_size].view(tokens, layer.num_heads, layer.head_dim)
-            k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, layer.num_kv_heads, layer.head_dim)
-            v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            cache = ctx.kv_pool[index]
-            write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
-            out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                  layer.scaling, ctx.max_query_len)
-            hidden = residual + layer.o(out.reshape(tokens, layer.q_size))
+            q, k, v = self._split(layer, layer.qkv(_rms_norm(layer.input_norm, hidden)))
+            hidden = residual + self._attend(index, layer, _rotate(q, cos, sin), _rotate(k, cos, sin), v, ctx)
             residual = hidden
-            x = _rms_norm(layer.post_norm, hidden)
-            gate_up = layer.gate_up(x)
+            gate_up = layer.gate_up(_rms_norm(layer.post_norm, hidden))
             x = layer.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:]
             hidden = residual + layer.down(x)
-        return _rms_norm(m.norm, hidden)
+        return _rms_norm(self.model.norm, hidden)
+
+    def _fused_layers(self, residual, cos, sin, ctx) -> torch.Tensor:
+        # kernels/cpu/fused_ops.cpp: each residual add is done in place together with the next norm
+        fused = self.fused
+        x = fused.add_rms_norm(residual, None, self.layers[0].input_norm.weight, self.layers[0].input_norm.variance_epsilon)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._split(layer, layer.qkv(x))
+            q, k = fused.rotary(q, k, cos, sin)
+            attended = self._attend(index, layer, q, k, v, ctx)
+            x = fused.add_rms_norm(residual, attended, layer.post_norm.weight, layer.post_norm.variance_epsilon)
+            gate_up = layer.gate_up(x)
+            if gate_up.shape[0] <= FUSED_SILU_MAX_ROWS:
+                down = layer.down(fused.silu_mul(gate_up))
+            else:   # torch's vectorized exp beats the kernel's scalar one on prompt-sized steps
+                down = layer.down(layer.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
+            norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.model.norm
+            x = fused.add_rms_norm(residual, down, norm.weight, norm.variance_epsilon)
+        return x
 
 
 def build(model) -> tuple[LlamaForward | None, str | None]:

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
+from data_plane import attention, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
 from ops import warmup
 from ops.cache_ops import copy_blocks
-from shared.config import MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
-from shared.protocol import Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
+from shared.config import DTYPE_BYTES, MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
+from shared.protocol import FREED_BLOCK_ID, Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
 
@@ -81,8 +81,16 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
+        model_max = getattr(mc, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(model_max, config.max_model_len or model_max)
+        # not with tensor parallelism: its all_reduce between ranks is not captured
+        capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1
+        graph_buckets = decode_graphs.buckets_up_to(decode_graphs.MAX_BATCH)
+        reserve = decode_graphs.reserve_bytes(
+            graph_buckets[-1], mc.hidden_size, getattr(mc, "intermediate_size", 4 * mc.hidden_size),
+            mc.num_attention_heads * self.head_dim, DTYPE_BYTES[config.dtype]) if capture else 0
         self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
-                                                    config.kv_cache_gib)
+                                                    config.kv_cache_gib, reserve)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
         self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
@@ -90,11 +98,12 @@ class ModelRunner:
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
-        model_max = getattr(mc, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(model_max, config.max_model_len or model_max)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
-        self.final_logits = model_support.check_model(model).final_logits
+        support = model_support.check_model(model)
+        self.final_logits = support.final_logits
+        # > 0: the control plane frees blocks outside this window; their table entries come as -1
+        self.sliding_window = support.freeable_window
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
         self._prompt_scores: list = []   # the step's prompt log-probs (data_plane/prompt_logprobs.py)
@@ -106,6 +115,11 @@ class ModelRunner:
         # model's, are routed by row count: few rows through the kernel, more through prepacked GEMM
         self.lean, why_not = llama_forward.build(model) if config.lean_forward else (None, "--no-lean-forward")
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model)
+        self.graphs = None
+        if config.decode_graphs == "eager" or capture:
+            self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
+                                                     -(-self.max_model_len // self.block_size), graph_buckets,
+                                                     device, capture)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
                  "layers outside it: %d with the few-row kernel, %d with prepacked GEMM", self.num_blocks,
                  self.block_size, self.num_blocks * block_bytes / 2**20, device,
@@ -122,12 +136,15 @@ class ModelRunner:
         return Handshake(self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                          str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
                          self.swap.num_blocks,
-                         self.max_model_len, device, eos_ids)
+                         self.max_model_len, device, eos_ids, sliding_window=self.sliding_window)
 
     # --- plan bookkeeping -------------------------------------------------------------
-    def _check_blocks(self, block_ids) -> None:
+    def _check_blocks(self, block_ids, table: bool = False) -> None:
+        """Every id in range; a whole table sent with a sequence may also hold FREED_BLOCK_ID (-1) for
+        blocks that left the sliding window (only when the model has one: _prepare checks where)."""
+        freed_ok = table and self.sliding_window
         for b in block_ids:
-            if not 0 <= b < self.num_blocks:
+            if not 0 <= b < self.num_blocks and not (freed_ok and b == FREED_BLOCK_ID):
                 raise PlanError(f"block id {b} out of range [0, {self.num_blocks})")
 
     def _apply_plan(self, plan: StepPlan) -> list[tuple[int, int]]:
@@ -161,7 +178,7 @@ class ModelRunner:
             raise PlanError(f"sequence {seq_id} has token ids outside the vocabulary: {bad[:5]}")
 
     def _add(self, new: NewSequence) -> None:
-        self._check_blocks(new.block_ids)
+        self._check_blocks(new.block_ids, table=True)
         self._check_tokens(new.seq_id, new.token_ids)
         self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
                                          list(new.block_ids), new.sampling)
@@ -200,9 +217,12 @@ class ModelRunner:
             if -(-end // bs) > len(st.block_ids):
                 raise PlanError(f"sequence {seq_id}: {end} tokens need {-(-end // bs)} blocks, "
                                 f"table has {len(st.block_ids)}")
+            table = st.block_ids
+            if FREED_BLOCK_ID in table:
+                self._check_freed(seq_id, table, begin)
+                table = [0 if b == FREED_BLOCK_ID else b for b in table]   # never read (see _check_freed)
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
-            table = st.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
@@ -225,8 +245,25 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows
 
+    def _check_freed(self, seq_id: int, table: list[int], begin: int) -> None:
+        """Freed entries may only be blocks that no query of this step, from position `begin` on, reads:
+        those wholly before begin - window + 1. The attention ops start at each query's window and
+        never load them, so whatever the pool holds there (another sequence's KV) cannot leak in."""
+        dead = max(0, begin - self.sliding_window + 1) // self.block_size
+        if FREED_BLOCK_ID in table[dead:]:
+            raise PlanError(f"sequence {seq_id}: a freed block (-1) at table entry "
+                            f"{table.index(FREED_BLOCK_ID, dead)}, inside the window of its queries from "
+                            f"position {begin} (window {self.sliding_window}, block size {self.block_size})")
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
         """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions)."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(ids, pos, ctx)   # decode-only steps up to the largest bucket
+            if hidden is not None:
+                return hidden
+        return self._forward_eager(ids, pos, ctx)
+
+    def _forward_eager(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
         if self.lean is not None:
             return self.lean(ids[0], pos[0], ctx)
         with attention.use_step_context(ctx):

@@ -52,6 +52,14 @@ class Support:
     final_logits: Callable[[torch.Tensor], torch.Tensor]
     logits_path: str   # "output embeddings" or "the model's own head"
 
+    @property
+    def freeable_window(self) -> int:
+        """The widest window when every layer has one (Mistral), else 0 (Gemma 2/3 have global layers):
+        a block wholly before that many positions of a sequence's next query is read by no layer again."""
+        if not self.layer_windows or any(w is None for w in self.layer_windows):
+            return 0
+        return max(self.layer_windows)
+
 
 def architecture(config, model=None) -> str:
     """The class name checkpoints record (LlamaForCausalLM), else the model's own class name."""

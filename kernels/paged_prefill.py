@@ -129,7 +129,10 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, full_end,
                             qk_scale, softcap, window, stride_cb, stride_ct, d, dmask,
                             BLOCK_SIZE, BLOCK_N, DOT_PREC, False, HAS_WINDOW, HAS_SOFTCAP)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, full_end, kv_end,
+    # a window narrower than a key tile can start past full_end: keys before lo are never loaded (their
+    # blocks may have left the window and been freed; a masked NaN there would still poison P @ V)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off,
+                            tl.maximum(full_end, lo), kv_end,
                             qk_scale, softcap, window, stride_cb, stride_ct, d, dmask,
                             BLOCK_SIZE, BLOCK_N, DOT_PREC, True, HAS_WINDOW, HAS_SOFTCAP)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -21,12 +21,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence as a contiguous [length, kv_heads, head_dim]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Tokens first .. length-1 of one sequence as a contiguous [length - first, kv_heads, head_dim];
+    blocks wholly before `first` are not read (they may have left the sliding window and been freed)."""
     block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:length]
+    first_block, num_blocks = first // block_size, -(-length // block_size)
+    blocks = cache.index_select(0, block_table[first_block:num_blocks].long())
+    skip = first - first_block * block_size
+    return blocks.reshape(-1, *cache.shape[2:])[skip:length - first_block * block_size]
 
 
 # A decode bucket stops growing once padding would make it gather this much more than it uses.
@@ -72,20 +74,32 @@ def _decode_batch(query, k_cache, v_cache, block_tables, seq_lens_list, rows, sc
                   softcap=None):
     """One query token per sequence: gather the contexts padded to the longest, mask the padding."""
     block_size = k_cache.shape[1]
-    max_len = max(seq_lens_list[r] for r in rows)
-    max_blocks = -(-max_len // block_size)
+    lens_list = [seq_lens_list[r] for r in rows]
     idx = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
-    # index_select of whole blocks copies contiguous rows: much faster than advanced indexing
-    tables = block_tables.index_select(0, idx)[:, :max_blocks].reshape(-1).long()
+    table_rows = block_tables.index_select(0, idx)
+    lens = torch.tensor(lens_list, device=query.device)
+    if sliding_window:
+        # the query sits at len - 1 and sees positions len - window .. len - 1: gather from the block
+        # holding len - window on (earlier blocks may have been freed and hold another sequence's KV)
+        first_blocks = [max(0, n - sliding_window) // block_size for n in lens_list]
+        max_blocks = max(-(-n // block_size) - f for n, f in zip(lens_list, first_blocks))
+        first = torch.tensor(first_blocks, dtype=torch.long, device=block_tables.device)
+        cols = (first[:, None] + torch.arange(max_blocks, device=block_tables.device)[None, :])
+        # columns past a row's table end only pad a shorter row: clamped, then masked as padding
+        tables = table_rows.gather(1, cols.clamp(max=table_rows.shape[1] - 1)).reshape(-1).long()
+        positions = (first.to(query.device)[:, None] * block_size
+                     + torch.arange(max_blocks * block_size, device=query.device)[None, :])
+        mask = (positions < lens[:, None]) & (positions >= lens[:, None] - sliding_window)
+    else:
+        max_blocks = -(-max(lens_list) // block_size)
+        # index_select of whole blocks copies contiguous rows: much faster than advanced indexing
+        tables = table_rows[:, :max_blocks].reshape(-1).long()
+        positions = torch.arange(max_blocks * block_size, device=query.device)
+        mask = positions[None, :] < lens[:, None]
     num = len(rows)
     # [seqs * blocks, block_size, kv_heads, dim] -> [seqs, kv_heads, padded_len, dim]
     keys = k_cache.index_select(0, tables).view(num, max_blocks * block_size, *k_cache.shape[2:]).transpose(1, 2)
     values = v_cache.index_select(0, tables).view(num, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
-    lens = torch.tensor([seq_lens_list[r] for r in rows], device=query.device)
-    positions = torch.arange(max_blocks * block_size, device=query.device)
-    mask = positions[None, :] < lens[:, None]
-    if sliding_window:   # the query sits at len - 1 and sees the window ending there
-        mask &= positions[None, :] >= lens[:, None] - sliding_window
     q = query.unsqueeze(2)  # [seqs, heads, 1, dim]
     out = _attend(q, keys, values, mask[:, None, None, :], scale, softcap)
     return out.squeeze(2)
@@ -96,9 +110,10 @@ def extend_one(query, k_cache, v_cache, block_table, seq_len, scale, sliding_win
     within the sliding window: query at position i sees keys i - window < j <= i)."""
     q_len = query.shape[0]
     # keys below the first query's window are seen by no query: not gathered at all
+    # (nor read: they may have left the window and been freed)
     first = max(0, seq_len - q_len - sliding_window + 1) if sliding_window else 0
-    keys = gather_context(k_cache, block_table, seq_len)[first:].transpose(0, 1)[None]
-    values = gather_context(v_cache, block_table, seq_len)[first:].transpose(0, 1)[None]
+    keys = gather_context(k_cache, block_table, seq_len, first).transpose(0, 1)[None]
+    values = gather_context(v_cache, block_table, seq_len, first).transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]  # [1, heads, q_len, dim]
     if q_len == seq_len and not sliding_window:   # a whole prompt: plain causal, no mask to build and read
         return _attend(q, keys, values, None, scale, softcap, is_causal=True)[0].transpose(0, 1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}   # the model and KV dtypes, by element size
 DTYPES = tuple(DTYPE_BYTES)
 BLOCK_SIZES = (4, 8, 16, 32)   # 4: CPU only (the Triton kernels are tested from 8 up)
+DECODE_GRAPHS = ("auto", "eager", "off")
 MIN_TRITON_BLOCK_SIZE = 8
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_DATA_PLANE_METRICS_PORT = 8001
@@ -76,10 +77,13 @@ class DataPlaneConfig:
     curve_keys: str | None = None       # key folder (pagedserve keygen): CURVE-encrypted, authenticated link
     insecure: bool = False              # allow listening off loopback without CURVE keys
     lean_forward: bool = True           # Llama-shaped float32 CPU models: data_plane/llama_forward.py
+    decode_graphs: str = "auto"         # auto: CUDA graphs on CUDA; eager: padded static path, no capture; off
 
     def validate(self) -> "DataPlaneConfig":
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.decode_graphs not in DECODE_GRAPHS:
+            raise ConfigError(f"--decode-graphs {self.decode_graphs}: choose one of {', '.join(DECODE_GRAPHS)}")
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"--block-size {self.block_size}: choose one of {BLOCK_SIZES}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
@@ -198,6 +202,9 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
                              "only the control plane holding the client key")
     parser.add_argument("--insecure", action="store_true",
                         help="allow a data plane to listen off loopback without --curve-keys")
+    parser.add_argument("--decode-graphs", default="auto", choices=DECODE_GRAPHS,
+                        help="decode steps replay CUDA graphs captured per padded batch size (auto: on CUDA); "
+                             "eager: the same padded static buffers without capture; off")
     parser.add_argument("--no-lean-forward", dest="lean_forward", action="store_false",
                         help="run transformers' forward even where pagedserve's lean Llama forward applies")
 
@@ -210,6 +217,7 @@ def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
         swap_blocks=args.swap_blocks, swap_space_gib=args.swap_space_gib,
         metrics_port=args.metrics_port, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         curve_keys=args.curve_keys, lean_forward=getattr(args, "lean_forward", True),
+        decode_graphs=getattr(args, "decode_graphs", "auto"),
         insecure=getattr(args, "insecure", False)).validate()
 
 
@@ -231,4 +239,6 @@ def data_plane_argv(config: DataPlaneConfig) -> list[str]:
         argv += ["--insecure"]
     if not config.lean_forward:
         argv += ["--no-lean-forward"]
+    if config.decode_graphs != "auto":
+        argv += ["--decode-graphs", config.decode_graphs]
     return argv

@@ -31,6 +31,10 @@ import msgpack
 PROTOCOL_VERSION = 2   # 2: cached sequences as CachedSequence, remaps inside them
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a plan of a whole new batch of long prompts fits easily
 
+# a block-table entry whose block left the sliding window and went back to the pool: it keeps the
+# logical index of the blocks after it, and nothing reads it (see control_plane/block_manager.py)
+FREED_BLOCK_ID = -1
+
 HELLO, HANDSHAKE, STEP_PLAN, STEP_RESULT, PING, PONG, SHUTDOWN, ERROR = (
     "hello", "handshake", "plan", "result", "ping", "pong", "shutdown", "error")
 KINDS = {HELLO, HANDSHAKE, STEP_PLAN, STEP_RESULT, PING, PONG, SHUTDOWN, ERROR}
@@ -109,19 +113,27 @@ class Handshake:
     device: str              # e.g. "cpu" or "cuda:0 (NVIDIA H200)"
     eos_token_ids: list[int] = field(default_factory=list)  # from the model's generation config
     owner_token: str = ""    # proves ownership when the owner says HELLO again
+    # every layer attends to at most this many positions, its own included: blocks wholly before
+    # the window of a sequence's next query are never read again and may be freed. 0: some layer
+    # sees the whole context (or an older data plane that does not say): nothing is freed
+    sliding_window: int = 0
 
     def to_wire(self) -> list:
         return [self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                 self.dtype, self.block_size, self.num_device_blocks, self.num_cpu_blocks,
-                self.max_model_len, self.device, list(self.eos_token_ids), self.owner_token]
+                self.max_model_len, self.device, list(self.eos_token_ids), self.owner_token,
+                self.sliding_window]
 
     @classmethod
     def from_wire(cls, body: list) -> "Handshake":
         b = _list(body)
-        if len(b) not in (12, 13):
-            raise ProtocolError(f"a handshake has 12 or 13 fields, got {len(b)}")
+        if not 12 <= len(b) <= 14:   # trailing fields added later are optional: older peers omit them
+            raise ProtocolError(f"a handshake has 12 to 14 fields, got {len(b)}")
+        window = _int(b[13]) if len(b) == 14 else 0
+        if window < 0:
+            raise ProtocolError(f"a handshake's sliding window must be >= 0, got {window}")
         return cls(_str(b[0]), *(_int(v) for v in b[1:5]), _str(b[5]), *(_int(v) for v in b[6:10]),
-                   _str(b[10]), _ints(b[11]), _str(b[12]) if len(b) == 13 else "")
+                   _str(b[10]), _ints(b[11]), _str(b[12]) if len(b) >= 13 else "", window)
 
 
 @dataclass

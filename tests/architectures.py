@@ -70,6 +70,10 @@ SUPPORTED = {
                                        head_dim=16),
     "OLMo2": _llama_like("Olmo2"),
     "StableLM": _llama_like("StableLm"),
+    "OLMo": _llama_like("Olmo", clip_qkv=8.0),
+    "Cohere (logit_scale)": _llama_like("Cohere", logit_scale=0.5),
+    "Qwen2-MoE": _llama_like("Qwen2Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=64),
 }
 
 

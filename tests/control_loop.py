@@ -26,19 +26,23 @@ class Played:
     swap_preemptions: int
     prefix_hits: int
     cow_copies: int
+    window_freed: int               # blocks given back because they left the sliding window
+    peak_blocks: int                # most device blocks in use after any step
 
 
 def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
-         mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
+         mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0, sliding_window: int = 0,
          first_step: int = 0) -> Played:
     """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
-    number than the data plane has forces preemption) and `num_cpu_blocks` of swap space. Checks the
-    pool's integrity after every step and that no block leaked at the end."""
+    number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
+    `sliding_window` the block manager frees blocks that leave the window. Checks the pool's integrity
+    after every step and that no block leaked at the end."""
     num_blocks = runner.num_blocks if num_blocks is None else num_blocks
     block_size = runner.block_size if block_size is None else block_size
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks,
+                      sliding_window=sliding_window)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     seqs = [Sequence(f"r{i}", list(p), len(p), params, params.spec([]), arrival_time=float(i))
@@ -48,6 +52,7 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     for s in seqs:
         sched.add(s)
     step = first_step
+    peak = 0
     while sched.has_work():
         out = sched.schedule()
         step += 1
@@ -64,7 +69,8 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
             if seq.num_output_tokens >= max_tokens:
                 sched.finish(seq, "length")
         sched.check_integrity()
+        peak = max(peak, num_blocks - bm.num_free_blocks())
     assert bm.num_free_blocks() == num_blocks, "blocks leaked"
     assert bm.cpu_usage() == 0, "CPU blocks leaked"
     return Played([s.output_token_ids for s in seqs], [logprobs[s.seq_id] for s in seqs], sched.num_preemptions,
-                  sched.num_swap_preemptions, bm.prefix_hits, bm.num_cow_copies)
+                  sched.num_swap_preemptions, bm.prefix_hits, bm.num_cow_copies, bm.num_window_freed, peak)

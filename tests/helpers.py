@@ -66,6 +66,37 @@ def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=No
     return ModelRunner(model.to(device), config, torch.device(device))
 
 
+def play_steps(runner, prompts, steps, chunk=5):
+    """Plays fixed plans, no scheduler: prefill `prompts` in chunks of `chunk` tokens, then decode
+    `steps` tokens each; returns every sampled (seq_id, token, logprob, top logprobs) in order.
+    Blocks: sequence i owns blocks 16i .. 16i + 15."""
+    from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan
+    spec = SamplingSpec(temperature=0.0, logprobs=3)
+    sampled, step = [], 0
+    done = {i: 0 for i in range(len(prompts))}
+    first = True
+    while any(done[i] < len(p) for i, p in enumerate(prompts)):
+        step += 1
+        new, cached = [], []
+        for i, p in enumerate(prompts):
+            n = min(chunk, len(p) - done[i])
+            if n == 0:
+                continue
+            if first:
+                new.append(NewSequence(i, list(p), len(p), 0, n, list(range(16 * i, 16 * i + 16)), spec))
+            else:
+                cached.append(CachedSequence(i, n, []))
+            done[i] += n
+        first = False
+        result = runner.execute(StepPlan(step, new_seqs=new, cached_seqs=cached))
+        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
+    for _ in range(steps):
+        step += 1
+        result = runner.execute(StepPlan(step, cached_seqs=[CachedSequence(i, 1, []) for i in range(len(prompts))]))
+        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
+    return sampled
+
+
 # --- the wire ---------------------------------------------------------------------------------------
 def handshake(**overrides):
     """SmolLM2's handshake (30 layers, 3 KV heads of 64), with `overrides`."""
@@ -108,6 +139,34 @@ class LocalClient:
     async def step(self, plan, timeout):
         self.plans.append(plan)
         return self.runner.execute(plan)
+
+    async def ping(self, timeout):
+        return None
+
+
+class InProcessClient:
+    """Stands in for the ZeroMQ client: the runner executes plans in the order they were sent, as
+    the data plane's loop does, when their result is asked for."""
+    def __init__(self, runner):
+        self.runner = runner
+        self.sent = []          # plans sent and not yet executed
+        self.plans = []         # every plan, in order
+        self.sent_ahead = 0     # plans sent while an earlier one was not executed yet
+
+    async def send_plan(self, plan):
+        self.sent_ahead += bool(self.sent)
+        self.sent.append(plan)
+        self.plans.append(plan)
+
+    async def result_of(self, step_id, timeout):
+        while True:
+            result = self.runner.execute(self.sent.pop(0))
+            if result.step_id == step_id:
+                return result
+
+    async def step(self, plan, timeout):
+        await self.send_plan(plan)
+        return await self.result_of(plan.step_id, timeout)
 
     async def ping(self, timeout):
         return None

@@ -7,6 +7,9 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale,
                   int64_t window, double softcap);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w, double eps);
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 
 static bool vectorized() {
 #ifdef PAGEDSERVE_AVX2
@@ -19,5 +22,8 @@ static bool vectorized() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the block pool (float32; window and softcap 0: none)");
   m.def("skinny_linear", &skinny_linear, "x [M, K] . w[N, K]^T for a few rows M (float32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place, x optional), then RMSNorm(residual) * w (float32)");
+  m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

@@ -174,3 +174,45 @@ def test_a_model_with_no_eligible_layer_routes_nothing_and_builds_nothing(monkey
     monkeypatch.setattr(cpu_kernels, "load", lambda: pytest.fail("the kernel must not be loaded"))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=True), torch.nn.Linear(8, 4).to(torch.bfloat16))
     assert linear.route_linears(model, packed=False) == {"kernel": 0, "packed": 0}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_fused_layer_ops_match_torch_operations(kernel, rows):
+    gen = torch.Generator().manual_seed(rows)
+    hidden, heads, kv_heads, dim = 40, 5, 1, 8                   # 40 = two lanes of 16 plus a tail of 8
+    residual, x, w = (torch.randn(rows, hidden, generator=gen) for _ in range(3))
+    w = w[0].contiguous()
+    expected_residual = residual + x
+    variance = expected_residual.pow(2).mean(-1, keepdim=True)
+    expected = w * (expected_residual * torch.rsqrt(variance + 1e-6))
+    got = kernel.add_rms_norm(residual, x, w, 1e-6)
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)   # the add is in place
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kernel.add_rms_norm(residual, None, w, 1e-6), w * (residual * torch.rsqrt(
+        residual.pow(2).mean(-1, keepdim=True) + 1e-6)), atol=1e-6, rtol=1e-5)
+
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    q = qkv[:, :heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    cos, sin = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+
+    def rotate(t):
+        half = dim // 2
+        return t * cos[:, None] + torch.cat((-t[..., half:], t[..., :half]), -1) * sin[:, None]
+    q_out, k_out = kernel.rotary(q, k, cos, sin)
+    assert torch.equal(q_out, rotate(q)) and torch.equal(k_out, rotate(k))   # the same operations, unfused
+
+    gate_up = torch.randn(rows, 2 * 24, generator=gen)
+    torch.testing.assert_close(kernel.silu_mul(gate_up),
+                               torch.nn.functional.silu(gate_up[:, :24]) * gate_up[:, 24:], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_layer_ops_refuse_what_they_cannot_compute(kernel):
+    with pytest.raises(RuntimeError, match="residual must be contiguous float32"):
+        kernel.add_rms_norm(torch.randn(4, 8, dtype=torch.float64), None, torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        kernel.add_rms_norm(torch.randn(4, 8), None, torch.randn(9), 1e-6)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernel.rotary(torch.randn(2, 3, 8), torch.randn(2, 1, 8), torch.randn(2, 4), torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="gate_up must be contiguous"):
+        kernel.silu_mul(torch.randn(3, 7))

@@ -12,35 +12,7 @@ from control_plane.engine import Engine
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sampling_params import SamplingParams
 from shared.config import ControlPlaneConfig
-from tests.helpers import DigitTokenizer, make_runner, paged_model
-
-
-class InProcessClient:
-    """Stands in for the ZeroMQ client: the runner executes plans in the order they were sent, as
-    the data plane's loop does, when their result is asked for."""
-    def __init__(self, runner):
-        self.runner = runner
-        self.sent = []          # plans sent and not yet executed
-        self.plans = []         # every plan, in order
-        self.sent_ahead = 0     # plans sent while an earlier one was not executed yet
-
-    async def send_plan(self, plan):
-        self.sent_ahead += bool(self.sent)
-        self.sent.append(plan)
-        self.plans.append(plan)
-
-    async def result_of(self, step_id, timeout):
-        while True:
-            result = self.runner.execute(self.sent.pop(0))
-            if result.step_id == step_id:
-                return result
-
-    async def step(self, plan, timeout):
-        await self.send_plan(plan)
-        return await self.result_of(plan.step_id, timeout)
-
-    async def ping(self, timeout):
-        return None
+from tests.helpers import DigitTokenizer, InProcessClient, make_runner, paged_model
 
 
 def make_engine(num_blocks=64, block_size=4, budget=32, max_num_seqs=128, mode="auto", **cp):

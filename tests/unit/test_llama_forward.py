@@ -3,37 +3,7 @@ import pytest
 import torch
 
 from data_plane import llama_forward
-from shared.protocol import CachedSequence, NewSequence, SamplingSpec, StepPlan
-from tests.helpers import make_runner, paged_model
-
-
-def play(runner, prompts, steps, chunk=5):
-    """Prefill `prompts` in chunks of `chunk` tokens, then decode `steps` tokens each; returns every
-    sampled (seq_id, token, logprob, top logprobs) in order. Blocks: sequence i owns 16 blocks of 4."""
-    spec = SamplingSpec(temperature=0.0, logprobs=3)
-    sampled, step = [], 0
-    done = {i: 0 for i in range(len(prompts))}
-    first = True
-    while any(done[i] < len(p) for i, p in enumerate(prompts)):
-        step += 1
-        new, cached = [], []
-        for i, p in enumerate(prompts):
-            n = min(chunk, len(p) - done[i])
-            if n == 0:
-                continue
-            if first:
-                new.append(NewSequence(i, list(p), len(p), 0, n, list(range(16 * i, 16 * i + 16)), spec))
-            else:
-                cached.append(CachedSequence(i, n, []))
-            done[i] += n
-        first = False
-        result = runner.execute(StepPlan(step, new_seqs=new, cached_seqs=cached))
-        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
-    for _ in range(steps):
-        step += 1
-        result = runner.execute(StepPlan(step, cached_seqs=[CachedSequence(i, 1, []) for i in range(len(prompts))]))
-        sampled += [(t.seq_id, t.token_id, t.logprob, t.top_logprobs) for t in result.sampled]
-    return sampled
+from tests.helpers import make_runner, paged_model, play_steps
 
 
 def test_lean_forward_samples_what_transformers_forward_samples():
@@ -41,7 +11,7 @@ def test_lean_forward_samples_what_transformers_forward_samples():
     lean_runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4)
     hf_runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, lean_forward=False)
     assert lean_runner.lean is not None and hf_runner.lean is None
-    lean, hf = play(lean_runner, prompts, steps=12), play(hf_runner, prompts, steps=12)
+    lean, hf = play_steps(lean_runner, prompts, steps=12), play_steps(hf_runner, prompts, steps=12)
     assert len(lean) == len(hf) == 3 * 13
     assert [(s, t) for s, t, _, _ in lean] == [(s, t) for s, t, _, _ in hf]
     for (_, _, lp_a, top_a), (_, _, lp_b, top_b) in zip(lean, hf):
@@ -106,3 +76,24 @@ def test_a_tensor_parallel_shard_keeps_transformers_forward():
     assert llama_forward.unsupported_reason(model) is None
     tensor_parallel.shard_model(model, tensor_parallel.Comm(0, 2))
     assert "tensor-parallel shard" in llama_forward.unsupported_reason(model)
+
+
+def test_fused_kernels_give_torch_operations_numbers():
+    from data_plane.attention import StepContext
+    from ops import cpu_kernels
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
+    model = paged_model(seed=5)
+    fused, plain = llama_forward.LlamaForward(model), llama_forward.LlamaForward(model, fused=False)
+    assert fused.fused is not None and plain.fused is None
+    cfg = model.config
+    pool = torch.zeros(cfg.num_hidden_layers, 2, 8, 4, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    ids = torch.tensor([3, 17, 99, 4, 250, 7])
+    ctx = StepContext(pool, torch.arange(6, dtype=torch.int64), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                      torch.tensor([4, 2], dtype=torch.int32), torch.tensor([0, 4, 6], dtype=torch.int32), 4)
+    positions = torch.tensor([0, 1, 2, 3, 0, 1])
+    with torch.inference_mode():
+        expected = plain(ids, positions, ctx)
+        got = fused(ids, positions, ctx)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
+    assert not torch.equal(got, torch.zeros_like(got))

@@ -174,3 +174,11 @@ def test_copy_on_write_and_shared_blocks_follow_the_block_manager():
     r = stats.registry
     assert value(r, "pagedserve_kv_block_copies_total") == 5
     assert value(r, "pagedserve_kv_blocks_shared") == 0
+
+
+def test_blocks_freed_by_the_window_follow_the_block_manager():
+    stats = EngineStats("m")
+    assert value(stats.registry, "pagedserve_kv_blocks_freed_by_window_total") == 0   # exported from the start
+    stats.on_step(step_out(), 0.01, fake_load(num_window_freed=3))
+    stats.on_step(step_out(), 0.01, fake_load(num_window_freed=7))
+    assert value(stats.registry, "pagedserve_kv_blocks_freed_by_window_total") == 7

@@ -1,0 +1,55 @@
+"""Serves prompts greedily on an in-process ModelRunner (tests/control_loop.py plays the control plane:
+the real scheduler and block manager, no engine, no sockets), and the oracle it is compared with:
+transformers' `generate`.
+
+Used by the architecture matrix (tests/integration/test_architectures.py) and the sliding-window
+block freeing test (tests/integration/test_window_freeing.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from data_plane.model_runner import ModelRunner
+from shared.config import DataPlaneConfig
+from tests.control_loop import play
+
+
+def hf_reference(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the log-prob of each under the model's own logits, from `generate`."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@dataclass
+class Served:
+    outputs: list[tuple[list[int], list[float]]]   # per prompt: greedy tokens, their log-probs
+    preemptions: int
+    prefix_hits: int                 # prompt tokens served from the prefix cache
+    window_freed: int                # blocks given back because they left the sliding window
+    peak_blocks: int                 # most device blocks in use after any step
+    sliding_window: int              # what the runner's handshake said
+
+
+def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
+          max_num_seqs: int = 3, budget: int = 16, free_window: bool = True) -> Served:
+    """Greedy decoding of every prompt (all queued at once, in order) on a pool of `num_blocks`;
+    `free_window`: the block manager learns the window from the handshake, as the engine's does."""
+    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
+    runner = ModelRunner(model, config, torch.device("cpu"))
+    window = runner.handshake().sliding_window
+    played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,
+                  sliding_window=window if free_window else 0)
+    outputs = [(tokens, logprobs[-max_tokens:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
+    return Served(outputs, played.preemptions, played.prefix_hits, played.window_freed, played.peak_blocks, window)
+
+
+def assert_same(outputs, expected, atol: float = 1e-4) -> None:
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(outputs, expected)):
+        assert tokens == want_tokens, f"prompt {i}: {tokens} != {want_tokens}"
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=atol, rtol=0)
