@@ -145,11 +145,15 @@ class LlamaForward:
     def _fused_layers(self, residual, cos, sin, ctx) -> torch.Tensor:
         # kernels/cpu/fused_ops.cpp: each residual add is done in place together with the next norm
         fused = self.fused
+        decode = _CpuDecode(ctx, residual.shape[0]) if ctx.max_query_len == 1 else None
         x = fused.add_rms_norm(residual, None, self.layers[0].input_norm.weight, self.layers[0].input_norm.variance_epsilon)
         for index, layer in enumerate(self.layers):
             q, k, v = self._split(layer, layer.qkv(x))
             q, k = fused.rotary(q, k, cos, sin)
-            attended = self._attend(index, layer, q, k, v, ctx)
+            if decode is not None:
+                attended = decode.attend(fused, index, layer, q, k, v, ctx)
+            else:
+                attended = self._attend(index, layer, q, k, v, ctx)
             x = fused.add_rms_norm(residual, attended, layer.post_norm.weight, layer.post_norm.variance_epsilon)
             gate_up = layer.gate_up(x)
             if gate_up.shape[0] <= FUSED_SILU_MAX_ROWS:
@@ -159,6 +163,26 @@ class LlamaForward:
             norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.model.norm
             x = fused.add_rms_norm(residual, down, norm.weight, norm.variance_epsilon)
         return x
+
+
+class _CpuDecode:
+    """A decode-only step's inputs to the CPU attention kernels, made once per step: the generic path
+    (ops/attention.py) rebuilds them in every layer, a dozen small torch operations each time."""
+
+    def __init__(self, ctx, num_tokens: int):
+        index = torch.arange(num_tokens, dtype=torch.int64)
+        self.rows = torch.stack([index, index], dim=1).contiguous()   # token t is sequence t's query
+        self.tables = ctx.block_tables.to(torch.int32).contiguous()
+        self.seq_lens = ctx.seq_lens.to(torch.int32).contiguous()
+        self.slots = ctx.slot_mapping.to(torch.int64).contiguous()
+
+    def attend(self, kernel, index: int, layer: _Layer, q, k, v, ctx) -> torch.Tensor:
+        cache = ctx.kv_pool[index]
+        kernel.write_kv(k, v, cache[0], cache[1], self.slots)
+        out = torch.empty_like(q)
+        kernel.paged_decode(out, q, cache[0], cache[1], self.tables, self.seq_lens, self.rows,
+                            float(layer.scaling), 0, 0.0)
+        return layer.o(out.view(q.shape[0], layer.q_size))
 
 
 def build(model) -> tuple[LlamaForward | None, str | None]:

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from ops import cpu_kernels
 
-# measured on the runner's decode step (bench/linear_routes.py): the kernel wins up to 16 rows,
-# the packed GEMM from 32 rows up (1.10-1.14x over F.linear at 32-64 rows)
-SKINNY_MAX_ROWS = 16
+# measured on the runner's decode step, alternating (quiet machine): the kernel is even with the packed GEMM
+# up to 12 rows and 7% slower at 16; the packed GEMM is 1.10-1.14x F.linear at 32-64 rows
+SKINNY_MAX_ROWS = 8
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 
 

@@ -10,6 +10,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w, double eps);
 std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 
 static bool vectorized() {
 #ifdef PAGEDSERVE_AVX2
@@ -25,5 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place, x optional), then RMSNorm(residual) * w (float32)");
   m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
+  m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

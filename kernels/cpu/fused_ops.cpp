@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 // for every function below, lambdas included (a function attribute does not reach a lambda's body)
@@ -131,4 +132,32 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     }
   });
   return out;
+}
+
+// k, v [T, Hk, D] (any token stride, heads packed) into the flat caches [slots, Hk, D] at slot_mapping[t];
+// slot -1: skipped. One call per layer instead of torch's mask, select and two index_copy_ calls.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "write_kv: float32 only");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "write_kv: k and v [tokens, heads, dim], heads packed");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "write_kv: caches must be contiguous [blocks, block_size, heads, dim] matching k");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "write_kv: one int64 slot per token");
+  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "write_kv: slot ", sp[t], " out of range");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (sp[t] < 0) continue;
+    std::copy(kp + t * k.stride(0), kp + t * k.stride(0) + width, kc + sp[t] * width);
+    std::copy(vp + t * v.stride(0), vp + t * v.stride(0) + width, vc + sp[t] * width);
+  }
 }

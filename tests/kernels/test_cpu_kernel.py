@@ -216,3 +216,18 @@ def test_fused_layer_ops_refuse_what_they_cannot_compute(kernel):
         kernel.rotary(torch.randn(2, 3, 8), torch.randn(2, 1, 8), torch.randn(2, 4), torch.randn(2, 4))
     with pytest.raises(RuntimeError, match="gate_up must be contiguous"):
         kernel.silu_mul(torch.randn(3, 7))
+
+
+def test_write_kv_kernel_stores_rows_at_their_slots_and_skips_padding(kernel):
+    from ops import reference
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 4 * 8, generator=gen)            # k and v are strided views, as the lean forward's are
+    k, v = qkv[:, :16].view(5, 2, 8), qkv[:, 16:].view(5, 2, 8)
+    slots = torch.tensor([7, -1, 0, 12, 3])
+    caches = [torch.zeros(4, 4, 2, 8) for _ in range(4)]
+    kernel.write_kv(k, v, caches[0], caches[1], slots)
+    reference.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot 16 out of range"):
+        kernel.write_kv(k, v, caches[0], caches[1], torch.tensor([7, -1, 0, 16, 3]))
