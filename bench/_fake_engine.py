@@ -4,7 +4,9 @@
 Why a fake data plane: block sharing, copy-on-write, preemption and prefix hits are all decided
 by the control plane; the data plane only fills the blocks. Replacing the model by a function
 that returns deterministic pseudo-random tokens (and top-k log-probabilities for beams) keeps
-every control-plane decision real while a 2-core CPU runs thousands of steps in seconds.
+every control-plane decision real while a 2-core CPU runs thousands of steps in seconds. It honors
+structured output's masks (StepPlan.token_masks) as the real sampler does, so the control plane's
+grammar matchers accept every token it returns.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from _common import FIRST_SYNTHETIC_TOKEN, TraceRequest, progress, progress_done  # also puts the project on sys.path
 
@@ -48,7 +52,8 @@ class FakeDataPlane:
     position); a beam gets the top-k of a random next-token distribution that depends only on the
     context (last 8 tokens and length), with a random sharpness, so beams compete, fork and die as
     they do over a real model. A sequence whose prompt is in `answer_len` says EOS when its output
-    reaches that length (the trace's output length)."""
+    reaches that length (the trace's output length). A sequence with a token mask in the plan draws,
+    from the same generator, one of the tokens its mask allows (only EOS once its grammar has ended)."""
 
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 49152, max_model_len: int = 8192,
                  seed: int = 0):
@@ -86,6 +91,7 @@ class FakeDataPlane:
                 state.block_ids[index] = block
             scheduled.append((cached.seq_id, cached.num_new_tokens))
         sampled, num_tokens = [], 0
+        masks = dict(plan.token_masks)
         for seq_id, num_new in scheduled:
             st = self.seqs[seq_id]
             begin, end = st.num_computed_tokens, st.num_computed_tokens + num_new
@@ -96,14 +102,15 @@ class FakeDataPlane:
             st.num_computed_tokens = end
             num_tokens += num_new
             if end == len(st.token_ids):
-                sampled.extend(self._sample(seq_id, st))
+                sampled.extend(self._sample(seq_id, st, masks.get(seq_id)))
         return StepResult(plan.step_id, sampled, num_tokens)
 
-    def _sample(self, seq_id: int, st: _SeqState) -> list[SampledToken]:
+    def _sample(self, seq_id: int, st: _SeqState, mask: bytes | None = None) -> list[SampledToken]:
         spec = st.spec
         if spec.beam_width:      # the control plane picks among the candidates and sends the token
-            top = self._candidates(st.token_ids, spec.logprobs)
+            top = self._candidates(st.token_ids, spec.logprobs)   # (the API refuses constrained beams)
             return [SampledToken(seq_id, top[0][0], top[0][1], top)]
+        allowed = None if mask is None else self._allowed(seq_id, mask)
         num_output = len(st.token_ids) - st.num_prompt_tokens
         draws = spec.n if num_output == 0 else 1
         target = self.answer_len.get(tuple(st.token_ids[:st.num_prompt_tokens]))
@@ -113,10 +120,23 @@ class FakeDataPlane:
                 token = EOS_ID
             else:
                 rng = random.Random(hash((self.seed, seq_id, len(st.token_ids), j)))
-                token = rng.randrange(FIRST_SYNTHETIC_TOKEN, self.vocab_size)
+                if allowed is None:
+                    token = rng.randrange(FIRST_SYNTHETIC_TOKEN, self.vocab_size)
+                else:
+                    token = int(allowed[rng.randrange(len(allowed))])
             out.append(SampledToken(seq_id, token, -1.0))
         st.token_ids.append(out[0].token_id)      # like the runner: the parent keeps draw 0
         return out
+
+    def _allowed(self, seq_id: int, mask: bytes) -> np.ndarray:
+        """The token ids a packed mask allows (bit j of byte k: token 8k + j, as data_plane/sampler.py)."""
+        if len(mask) * 8 < self.vocab_size:
+            raise ValueError(f"seq {seq_id}: a token mask of {len(mask)} bytes does not cover {self.vocab_size} tokens")
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:self.vocab_size]
+        allowed = np.flatnonzero(bits)
+        if not len(allowed):
+            raise ValueError(f"seq {seq_id}: its token mask allows no token")
+        return allowed
 
     def _candidates(self, token_ids: list[int], k: int) -> list[tuple[int, float]]:
         rng = random.Random(hash((self.seed, len(token_ids), tuple(token_ids[-8:]))))
