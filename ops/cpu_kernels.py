@@ -23,16 +23,19 @@ SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decod
 
 def _sources_digest() -> str:
     import hashlib
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_FOLDER.encode())   # torch's builder also keys on the include path
     for path in sorted(SOURCES + [os.path.join(_FOLDER, "simd.h")]):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:10]
 
 
-# The build cache is per user, not per checkout: a name that carries the sources' digest keeps two
-# versions of the kernels (two checkouts, or an upgrade beside a running server) from rebuilding over
-# each other, so a process never loads a module built from other sources than its own.
+# The build cache is per user, not per checkout: a name that carries the digest of the sources and of
+# the checkout's folder keeps two versions of the kernels (two checkouts, or an upgrade beside a
+# running server) from rebuilding over each other, so a process never loads a module built from other
+# sources than its own. The folder counts because torch's builder keys a build on its include path
+# too: two worktrees with the same sources rebuilt one another's module, one of them holding the
+# build lock while the other waited.
 NAME = f"pagedserve_cpu_kernels_{_sources_digest()}"
 # torch's builder serializes builds with a lock file; a process killed mid-build (SIGKILL, or
 # SIGTERM without a handler) leaves it behind and every later start would wait on it forever
