@@ -224,23 +224,18 @@ class RunnerSteps:
             ns.swap_space_gib = 0.0   # no swapping here: no CPU pool to allocate
         self.runner = ModelRunner(model, data_plane_config(ns, "inproc://bench"), torch.device(device))
         self.parts: dict[str, float] = defaultdict(float)
-        forward, prepare = self.runner._forward, self.runner._prepare
-
-        def timed_forward(*a):
-            t = time.perf_counter()
-            out = forward(*a)
-            self.parts["forward"] += time.perf_counter() - t
-            return out
-        self.runner._forward = timed_forward
-
-        def timed_prepare(*a):
-            t = time.perf_counter()
-            out = prepare(*a)
-            self.parts["prepare"] += time.perf_counter() - t
-            return out
-        self.runner._prepare = timed_prepare
+        self.runner._forward = self._timed("forward", self.runner._forward)
+        self.runner._prepare = self._timed("prepare", self.runner._prepare)
         self.seq_ids = iter(range(1, 1 << 30))
         self.step_id = 0
+
+    def _timed(self, part: str, fn):
+        def run(*a):
+            t = time.perf_counter()
+            out = fn(*a)
+            self.parts[part] += time.perf_counter() - t
+            return out
+        return run
 
     def steps(self, rng, label: str, num_seqs: int):
         """A function that runs one step of this kind and returns its parts in seconds."""
