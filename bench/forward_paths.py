@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed steps per route and batch")
     ap.add_argument("--num-threads", type=int, default=2)
     args = ap.parse_args(argv)
+    from data_plane import llama_forward
     from ops import linear
     batches = [int(b) for b in args.batches.split(",")]
     print(C.machine_line(args.num_threads))
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
                             warmup=2)
     runner = RunnerSteps(model, ns)
     lean = runner.runner.lean
-    fused = lean.fused if lean is not None else None
+    if lean is not None:   # the lean forward with torch's operations in place of the fused kernels
+        fused_ops, torch_ops = lean.ops, llama_forward._TorchOps(lean.ops.act)
     if lean is None:
         print("the lean forward does not apply here; its column repeats `routed`")
     print(f"\ndecode step, context {args.context}, {args.reps} alternating steps per route, median ms per step")
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
                 linear.route_linears(model, **kw)
                 runner.runner.lean = lean if route.startswith("lean") else None
                 if lean is not None:
-                    lean.fused = fused if route == "lean" else None
+                    lean.ops = fused_ops if route == "lean" else torch_ops
                 t = time.perf_counter()
                 step()
                 if rep:                 # the first round warms every route up

@@ -30,6 +30,8 @@ class StepContext:
     seq_lens: torch.Tensor         # [seqs] int32: context length after this step
     query_start_loc: torch.Tensor  # [seqs + 1] int32
     max_query_len: int
+    # CPU: ops.attention.decode_rows(query_start_loc), made once per step for every layer's kernel call
+    decode_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,7 +87,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                          scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap)
+                          scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap,
+                          decode_rows=ctx.decode_rows)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
 

@@ -63,7 +63,8 @@ class StaticBatch:
                                block_tables=torch.zeros(size, max_blocks, dtype=torch.int32, device=device),
                                seq_lens=torch.ones(size, dtype=torch.int32, device=device),
                                query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-                               max_query_len=1)
+                               max_query_len=1,
+                               decode_rows=torch.arange(size, device=device).repeat_interleave(2).view(size, 2))
 
     def load(self, ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> None:
         """Copy a decode step of B <= size rows in; the rows past B become padding."""

@@ -74,22 +74,50 @@ class _Layer:
         self.scaling = attn.scaling
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.intermediate = mlp.gate_proj.weight.shape[0]
         self.qkv = linear_ops.RoutedLinear(_stack([attn.q_proj, attn.k_proj, attn.v_proj]), None, kernel, packed)
         self.o = linear_ops.RoutedLinear(attn.o_proj.weight, None, kernel, packed)
         self.gate_up = linear_ops.RoutedLinear(_stack([mlp.gate_proj, mlp.up_proj]), None, kernel, packed)
         self.down = linear_ops.RoutedLinear(mlp.down_proj.weight, None, kernel, packed)
-        self.act = mlp.act_fn
 
 
 def _plain_silu(model) -> bool:
     return type(model.model.layers[0].mlp.act_fn).__name__ == "SiLUActivation"
 
 
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    # transformers' LlamaRMSNorm, operation for operation (float32 in, float32 out)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+class _TorchOps:
+    """The elementwise parts of a layer in torch's operations, transformers' arithmetic in order."""
+
+    def __init__(self, act):
+        self.act = act
+
+    @staticmethod
+    def add_rms_norm(residual, x, weight, eps):
+        if x is not None:
+            residual.add_(x)
+        variance = residual.pow(2).mean(-1, keepdim=True)
+        return weight * (residual * torch.rsqrt(variance + eps))
+
+    @staticmethod
+    def rotary(q, k, cos, sin):
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_mul(self, gate_up):
+        half = gate_up.shape[1] // 2
+        return self.act(gate_up[:, :half]) * gate_up[:, half:]
+
+
+class _KernelOps(_TorchOps):
+    """The same parts in kernels/cpu/fused_ops.cpp: one pass each; SiLU*up only for a few rows, where
+    torch's dispatches cost more than its vectorized exp saves over the kernel's scalar one."""
+
+    def __init__(self, act, kernel):
+        super().__init__(act)
+        self.add_rms_norm, self.rotary = kernel.add_rms_norm, kernel.rotary
+        self._silu_mul = kernel.silu_mul
+
+    def silu_mul(self, gate_up):
+        return self._silu_mul(gate_up) if gate_up.shape[0] <= FUSED_SILU_MAX_ROWS else super().silu_mul(gate_up)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,83 +134,36 @@ class LlamaForward:
         kernel = linear_ops.kernel_for([model.get_output_embeddings().weight])
         packed = linear_ops.has_packed_gemm()
         self.layers = [_Layer(layer, kernel, packed) for layer in self.model.layers]
+        act = self.model.layers[0].mlp.act_fn
         # the fused norm/rotary/SiLU kernels when built, else torch's operations
-        self.fused = kernel if kernel is not None and _plain_silu(model) and fused else None
+        use_kernel = kernel is not None and _plain_silu(model) and fused
+        self.ops = _KernelOps(act, kernel) if use_kernel else _TorchOps(act)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        m = self.model
-        hidden = m.embed_tokens(input_ids)                                   # [tokens, hidden]
-        cos, sin = m.rotary_emb(hidden[None], position_ids=positions[None])  # [1, tokens, dim]
-        if self.fused is not None:
-            return self._fused_layers(hidden, cos[0].contiguous(), sin[0].contiguous(), ctx)
-        return self._torch_layers(hidden, cos[0, :, None, :], sin[0, :, None, :], ctx)
-
-    def _attend(self, index: int, layer: _Layer, q, k, v, ctx) -> torch.Tensor:
-        cache = ctx.kv_pool[index]
-        write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
-        out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                              layer.scaling, ctx.max_query_len)
-        return layer.o(out.reshape(q.shape[0], layer.q_size))
-
-    def _split(self, layer: _Layer, qkv: torch.Tensor):
-        tokens = qkv.shape[0]
-        q = qkv[:, :layer.q_size].view(tokens, layer.num_heads, layer.head_dim)
-        k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, layer.num_kv_heads, layer.head_dim)
-        v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
-        return q, k, v
-
-    def _torch_layers(self, hidden, cos, sin, ctx) -> torch.Tensor:
+        m, ops = self.model, self.ops
+        residual = m.embed_tokens(input_ids)                                 # [tokens, hidden], a new tensor
+        cos, sin = m.rotary_emb(residual[None], position_ids=positions[None])  # [1, tokens, dim]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        tokens = residual.shape[0]
+        # each residual add is done in place together with the next norm
+        norm = self.layers[0].input_norm
+        x = ops.add_rms_norm(residual, None, norm.weight, norm.variance_epsilon)
         for index, layer in enumerate(self.layers):
-            residual = hidden
-            q, k, v = self._split(layer, layer.qkv(_rms_norm(layer.input_norm, hidden)))
-            hidden = residual + self._attend(index, layer, _rotate(q, cos, sin), _rotate(k, cos, sin), v, ctx)
-            residual = hidden
-            gate_up = layer.gate_up(_rms_norm(layer.post_norm, hidden))
-            x = layer.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:]
-            hidden = residual + layer.down(x)
-        return _rms_norm(self.model.norm, hidden)
-
-    def _fused_layers(self, residual, cos, sin, ctx) -> torch.Tensor:
-        # kernels/cpu/fused_ops.cpp: each residual add is done in place together with the next norm
-        fused = self.fused
-        decode = _CpuDecode(ctx, residual.shape[0]) if ctx.max_query_len == 1 else None
-        x = fused.add_rms_norm(residual, None, self.layers[0].input_norm.weight, self.layers[0].input_norm.variance_epsilon)
-        for index, layer in enumerate(self.layers):
-            q, k, v = self._split(layer, layer.qkv(x))
-            q, k = fused.rotary(q, k, cos, sin)
-            if decode is not None:
-                attended = decode.attend(fused, index, layer, q, k, v, ctx)
-            else:
-                attended = self._attend(index, layer, q, k, v, ctx)
-            x = fused.add_rms_norm(residual, attended, layer.post_norm.weight, layer.post_norm.variance_epsilon)
-            gate_up = layer.gate_up(x)
-            if gate_up.shape[0] <= FUSED_SILU_MAX_ROWS:
-                down = layer.down(fused.silu_mul(gate_up))
-            else:   # torch's vectorized exp beats the kernel's scalar one on prompt-sized steps
-                down = layer.down(layer.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
-            norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.model.norm
-            x = fused.add_rms_norm(residual, down, norm.weight, norm.variance_epsilon)
+            qkv = layer.qkv(x)
+            q = qkv[:, :layer.q_size].view(tokens, layer.num_heads, layer.head_dim)
+            k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, layer.num_kv_heads, layer.head_dim)
+            v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
+            q, k = ops.rotary(q, k, cos, sin)
+            cache = ctx.kv_pool[index]
+            write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
+            out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                  layer.scaling, ctx.max_query_len, decode_rows=ctx.decode_rows)
+            x = ops.add_rms_norm(residual, layer.o(out.view(tokens, layer.q_size)), layer.post_norm.weight,
+                                 layer.post_norm.variance_epsilon)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+            norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else m.norm
+            x = ops.add_rms_norm(residual, down, norm.weight, norm.variance_epsilon)
         return x
-
-
-class _CpuDecode:
-    """A decode-only step's inputs to the CPU attention kernels, made once per step: the generic path
-    (ops/attention.py) rebuilds them in every layer, a dozen small torch operations each time."""
-
-    def __init__(self, ctx, num_tokens: int):
-        index = torch.arange(num_tokens, dtype=torch.int64)
-        self.rows = torch.stack([index, index], dim=1).contiguous()   # token t is sequence t's query
-        self.tables = ctx.block_tables.to(torch.int32).contiguous()
-        self.seq_lens = ctx.seq_lens.to(torch.int32).contiguous()
-        self.slots = ctx.slot_mapping.to(torch.int64).contiguous()
-
-    def attend(self, kernel, index: int, layer: _Layer, q, k, v, ctx) -> torch.Tensor:
-        cache = ctx.kv_pool[index]
-        kernel.write_kv(k, v, cache[0], cache[1], self.slots)
-        out = torch.empty_like(q)
-        kernel.paged_decode(out, q, cache[0], cache[1], self.tables, self.seq_lens, self.rows,
-                            float(layer.scaling), 0, 0.0)
-        return layer.o(out.view(q.shape[0], layer.q_size))
 
 
 def build(model) -> tuple[LlamaForward | None, str | None]:

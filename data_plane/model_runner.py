@@ -69,7 +69,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.block_size
-        if attention_ops.use_triton(device) and self.block_size < MIN_TRITON_BLOCK_SIZE:
+        self.triton = attention_ops.use_triton(device)
+        if self.triton and self.block_size < MIN_TRITON_BLOCK_SIZE:
             raise ConfigError(f"--block-size {self.block_size} is for the CPU path; the Triton kernels "
                               f"({device}) need {MIN_TRITON_BLOCK_SIZE} or more")
         mc = model.config
@@ -240,7 +241,11 @@ class ModelRunner:
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            # the CPU decode kernel's (query row, sequence) pairs, once for every layer of the step
+            decode_rows=None if self.triton else torch.tensor(
+                [(a, s) for s, (a, b) in enumerate(zip(starts, starts[1:])) if b - a == 1],
+                dtype=torch.int64).view(-1, 2))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows

@@ -71,6 +71,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if use_triton(key.device):
         from kernels.cache_ops import write_kv_triton
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
+    kernel = _cpu_kernel(key.device, key.dtype) if k_cache.dtype == key.dtype else None
+    if kernel is not None and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value)) \
+            and k_cache.is_contiguous() and v_cache.is_contiguous():
+        # one call, no read-back of the slots (the reference masks padding with a device sync)
+        kernel.write_kv(key, value, k_cache, v_cache, slot_mapping.to(torch.int64).contiguous())
     else:
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
@@ -78,7 +84,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, max_query_len: int | None = None, *, sliding_window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, decode_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [tokens, heads, head_dim] over the paged cache; returns the same shape.
 
     block_tables: int32 [seqs, max_blocks] (unused entries any value, conventionally 0);
@@ -88,6 +94,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sliding_window: W > 0 lets the query at position i see only keys i - W < j <= i (transformers'
         convention: W positions, its own included); None or 0: the whole causal context.
     softcap: c > 0 turns each scaled score s into c * tanh(s / c) before the softmax (Gemma 2).
+    decode_rows: `decode_rows(query_start_loc)` when the caller made it once for the step (the CPU
+        kernel's input; every layer of a step would otherwise make it again).
     """
     _check_cache(k_cache, v_cache)
     assert query.dim() == 3 and query.shape[2] == k_cache.shape[3], "query must be [tokens, heads, head_dim]"
@@ -106,26 +114,32 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
     if kernel is not None:
         return _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                    scale, max_query_len, sliding_window, softcap)
+                                    scale, max_query_len, sliding_window, softcap, decode_rows)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len, sliding_window, softcap)
 
 
+def decode_rows(query_start_loc: torch.Tensor) -> torch.Tensor:
+    """int64 [R, 2]: (query row, sequence) of every sequence with one query token this step."""
+    starts = query_start_loc.long()
+    decode = torch.nonzero(starts[1:] - starts[:-1] == 1).squeeze(1)
+    return torch.stack([starts[:-1].index_select(0, decode), decode], dim=1).contiguous()
+
+
 def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                         max_query_len, sliding_window=None, softcap=None):
+                         max_query_len, sliding_window=None, softcap=None, rows=None):
     """Decode rows (one query token) in the C++ kernel, straight from the blocks; prompt and chunk
     rows through the reference, whose causal SDPA over a gathered context is already efficient."""
     out = torch.empty_like(query)
-    starts = query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
-    decode = torch.nonzero(q_lens == 1).squeeze(1)
-    if decode.numel():
-        rows = torch.stack([starts[:-1].index_select(0, decode), decode], dim=1).contiguous()
+    rows = decode_rows(query_start_loc) if rows is None else rows
+    if rows.numel():
         # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(),
                             block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous(),
                             rows, float(scale), int(sliding_window or 0), float(softcap or 0.0))
     if max_query_len is None or max_query_len > 1:
+        starts = query_start_loc.long()
+        q_lens = starts[1:] - starts[:-1]
         seq_len_list, start_list = seq_lens.tolist(), starts.tolist()
         for s in torch.nonzero(q_lens > 1).squeeze(1).tolist():
             begin, end = start_list[s], start_list[s + 1]
