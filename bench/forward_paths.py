@@ -3,12 +3,13 @@
     python bench/forward_paths.py                       # batches 1,2,4,8,16,32,64 at a context of 128
     python bench/forward_paths.py --batches 8,64 --reps 6
 
-Paths: `torch` (transformers' forward, F.linear everywhere), `kernel16` (transformers' forward, the
-few-row kernel up to 16 rows and F.linear above: the data plane before the lean forward), `routed`
-(transformers' forward, linear layers routed as ops/linear.py does now), `lean-ops` (the lean
-forward with torch's operations for norm, rotary and SiLU), `lean` (the default:
-data_plane/llama_forward.py with the fused CPU kernels). For each batch the paths' steps alternate, so drift in the machine's
-speed hits all of them alike.
+Paths: `torch` (transformers' forward, F.linear everywhere), `routed` (transformers' forward, float32
+linear layers routed by row count: the few-row kernel, then MKL's prepacked GEMM), `lean-ops` (the
+lean forward, data_plane/llama_forward.py, with torch's operations for norm, rotary and SiLU and the
+float32 routes), `lean-f32` (the lean forward with its fused CPU kernels, float32 routes: the default
+before the Q4 kernel), `lean` (the default: the lean forward reading weights that are exactly Q4_1
+codes as codes, kernels/cpu/q4_linear.cpp). For each batch the paths' steps alternate, so drift in
+the machine's speed hits all of them alike.
 Prints the median ms per step and each route's speed-up over `torch`. Whether the routes keep
 the tokens identical is the tests' job (tests/kernels/test_cpu_kernel.py, the runner's oracle tests).
 """
@@ -26,8 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from overhead import RunnerSteps  # noqa: E402
 
-ROUTES = {"torch": dict(skinny_max_rows=0, packed=False), "kernel16": dict(skinny_max_rows=16, packed=False),
-          "routed": {}, "lean-ops": {}, "lean": {}}
+# how transformers' forward routes its linear layers (the lean forwards route their own; of the
+# model's layers they use only the output layer)
+ROUTES = {"torch": dict(skinny_max_rows=0, packed=False, codes=False), "routed": dict(codes=False),
+          "lean-ops": dict(codes=False), "lean-f32": dict(codes=False), "lean": dict(codes=False)}
 
 
 def main(argv=None) -> int:
@@ -46,10 +49,13 @@ def main(argv=None) -> int:
                             warmup=2)
     runner = RunnerSteps(model, ns)
     lean = runner.runner.lean
-    if lean is not None:   # the lean forward with torch's operations in place of the fused kernels
-        fused_ops, torch_ops = lean.ops, llama_forward._TorchOps(lean.ops.act)
-    if lean is None:
-        print("the lean forward does not apply here; its column repeats `routed`")
+    if lean is not None:   # with float32 routes, and with torch's operations in place of the fused kernels
+        lean_f32 = llama_forward.LlamaForward(model, codes=False)
+        lean_ops = llama_forward.LlamaForward(model, codes=False)
+        lean_ops.ops = llama_forward._TorchOps(lean.ops.act)
+        leans = {"lean": lean, "lean-f32": lean_f32, "lean-ops": lean_ops}
+    else:
+        print("the lean forward does not apply here; its columns repeat `routed`")
     print(f"\ndecode step, context {args.context}, {args.reps} alternating steps per route, median ms per step")
     print("batch  " + "  ".join(f"{r:>9}" for r in ROUTES) + "  " + "  ".join(f"{r}/torch" for r in ROUTES if r != "torch"))
     for batch in batches:
@@ -58,9 +64,7 @@ def main(argv=None) -> int:
         for rep in range(args.reps + 1):
             for route, kw in ROUTES.items():
                 linear.route_linears(model, **kw)
-                runner.runner.lean = lean if route.startswith("lean") else None
-                if lean is not None:
-                    lean.ops = fused_ops if route == "lean" else torch_ops
+                runner.runner.lean = leans.get(route) if lean is not None else None
                 t = time.perf_counter()
                 step()
                 if rep:                 # the first round warms every route up

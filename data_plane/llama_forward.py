@@ -65,7 +65,7 @@ def _stack(modules) -> torch.Tensor:
 
 
 class _Layer:
-    def __init__(self, layer, kernel, packed: bool):
+    def __init__(self, layer, kernel, packed: bool, codes: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.num_heads = attn.config.num_attention_heads
@@ -74,10 +74,10 @@ class _Layer:
         self.scaling = attn.scaling
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv = linear_ops.RoutedLinear(_stack([attn.q_proj, attn.k_proj, attn.v_proj]), None, kernel, packed)
-        self.o = linear_ops.RoutedLinear(attn.o_proj.weight, None, kernel, packed)
-        self.gate_up = linear_ops.RoutedLinear(_stack([mlp.gate_proj, mlp.up_proj]), None, kernel, packed)
-        self.down = linear_ops.RoutedLinear(mlp.down_proj.weight, None, kernel, packed)
+        self.qkv = linear_ops.RoutedLinear(_stack([attn.q_proj, attn.k_proj, attn.v_proj]), None, kernel, packed, codes=codes)
+        self.o = linear_ops.RoutedLinear(attn.o_proj.weight, None, kernel, packed, codes=codes)
+        self.gate_up = linear_ops.RoutedLinear(_stack([mlp.gate_proj, mlp.up_proj]), None, kernel, packed, codes=codes)
+        self.down = linear_ops.RoutedLinear(mlp.down_proj.weight, None, kernel, packed, codes=codes)
 
 
 def _plain_silu(model) -> bool:
@@ -129,11 +129,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaForward:
     """hidden states [tokens, hidden] of the model's last norm for one step's flattened tokens."""
 
-    def __init__(self, model, fused: bool = True):
+    def __init__(self, model, fused: bool = True, codes: bool = True):
         self.model = model.model
         kernel = linear_ops.kernel_for([model.get_output_embeddings().weight])
         packed = linear_ops.has_packed_gemm()
-        self.layers = [_Layer(layer, kernel, packed) for layer in self.model.layers]
+        self.layers = [_Layer(layer, kernel, packed, codes) for layer in self.model.layers]
         act = self.model.layers[0].mlp.act_fn
         # the fused norm/rotary/SiLU kernels when built, else torch's operations
         use_kernel = kernel is not None and _plain_silu(model) and fused
@@ -166,7 +166,8 @@ class LlamaForward:
         return x
 
 
-def build(model) -> tuple[LlamaForward | None, str | None]:
-    """(the lean forward, None) for a model that qualifies, else (None, why not)."""
+def build(model, codes: bool = True) -> tuple[LlamaForward | None, str | None]:
+    """(the lean forward, None) for a model that qualifies, else (None, why not). `codes`: read the
+    weights that are exactly 4-bit codes as codes (ops/quantized.py)."""
     why = unsupported_reason(model)
-    return (None, why) if why else (LlamaForward(model), None)
+    return (None, why) if why else (LlamaForward(model, codes=codes), None)

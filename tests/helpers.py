@@ -50,6 +50,27 @@ def tiny_llama(attn: str = "sdpa", seed: int = 0, **overrides):
     return model
 
 
+def q4_1_form(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded to what a GGUF Q4_1 file expands to: per 32 inputs, float16 min and
+    scale = (max - min) / 15, code = round((w - min) / scale), w = scale * code + min in float32."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // 32, 32)
+    low = blocks.amin(-1, keepdim=True).half().float()
+    scale = ((blocks.amax(-1, keepdim=True) - low) / 15).half().float()
+    code = torch.where(scale > 0, (blocks - low) / scale, torch.zeros_like(blocks)).round().clamp(0, 15)
+    return (scale * code + low).reshape(n, k)
+
+
+def q4_1_model(model):
+    """Every linear layer of `model` whose shape the Q4 kernel takes (out a multiple of 16, in of 32)
+    in Q4_1 form, in place; returns the model."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module.out_features % 16 == 0 and module.in_features % 32 == 0:
+                module.weight.copy_(q4_1_form(module.weight))
+    return model
+
+
 def paged_model(seed=0, **kw):
     """A tiny Llama on pagedserve's attention (the data plane's model)."""
     from data_plane import attention

@@ -1,0 +1,187 @@
+// y[M, N] = x[M, K] . W[N, K]^T where W's float32 values are those of 4-bit codes with a scale and a
+// minimum per 32 inputs: W[n, k] = scale * code + min, rounded after the product and after the sum,
+// which is how GGUF's Q4_1 format expands to float32 (transformers loads the default model that way).
+// ops/quantized.py finds the codes of a model's float32 weights and checks that they give back every
+// weight bit for bit; this kernel then reads 5 bits per weight instead of 32.
+//
+// Layout (ops/quantized.py packs it): output rows in groups of 16. For group g and the input pair
+// (2j, 2j+1), 16 bytes: byte l holds the code of (row 16g + l, input 2j) in its low nibble and that
+// of input 2j + 1 in its high nibble. Scales and minimums: for group g and block b of 32 inputs,
+// 16 floats, one per row of the group.
+//
+// A thread takes a panel of up to 48 output rows, expands its weights to float32 once into a buffer
+// laid out input by input (48 floats per input), then runs every 8-row tile of x over the buffer with
+// 8 x 3 sixteen-lane accumulators: per input, 3 loads of weights and 8 broadcasts of x feed 24 FMAs.
+// Each output is the FMA chain over k = 0..K-1 in order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+
+#include "simd.h"
+
+// the expansion must round after the product and after the sum, as torch's separate ops do
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+constexpr int64_t kGroup = 16;                 // output rows per group of the layout
+constexpr int64_t kPanelGroups = 3;            // groups per panel: 48 output rows
+constexpr int64_t kPanel = kGroup * kPanelGroups;
+constexpr int64_t kTileRows = 8;               // rows of x per register tile
+constexpr int64_t kBlock = 32;                 // inputs per scale and minimum
+
+struct Weights {
+  const uint8_t* codes;   // [groups, K / 2, 16]
+  const float* scales;    // [groups, K / 32, 16]
+  const float* mins;      // [groups, K / 32, 16]
+  int64_t K;
+};
+
+// the buffer of one thread: 48 floats per input, 64-byte aligned
+float* panel_buffer(int64_t K) {
+  thread_local std::unique_ptr<float, decltype(&std::free)> buf(nullptr, &std::free);
+  thread_local int64_t size = 0;
+  if (size < K * kPanel) {
+    buf.reset(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * K * kPanel)));
+    size = K * kPanel;
+  }
+  return buf.get();
+}
+
+// the float32 weights of groups [g0, g0 + groups) into buf[k * 48 + 16 * v + lane]
+void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
+  const int64_t K = w.K, pairs = K / 2, blocks = K / kBlock;
+  for (int64_t v = 0; v < groups; ++v) {
+    const uint8_t* codes = w.codes + (g0 + v) * pairs * kGroup;
+    const float* scales = w.scales + (g0 + v) * blocks * kGroup;
+    const float* mins = w.mins + (g0 + v) * blocks * kGroup;
+    float* out = buf + v * kGroup;
+#ifdef PAGEDSERVE_AVX512
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 d = _mm512_loadu_ps(scales + b * kGroup), m = _mm512_loadu_ps(mins + b * kGroup);
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4));
+        _mm512_store_ps(out + (2 * j) * kPanel, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
+        _mm512_store_ps(out + (2 * j + 1) * kPanel, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
+      }
+    }
+#else
+    for (int64_t j = 0; j < pairs; ++j) {
+      const int64_t b = 2 * j / kBlock;
+      for (int64_t l = 0; l < kGroup; ++l) {
+        const uint8_t c = codes[j * kGroup + l];
+        const float d = scales[b * kGroup + l], m = mins[b * kGroup + l];
+        const float lo = static_cast<float>(c & 15) * d, hi = static_cast<float>(c >> 4) * d;
+        out[(2 * j) * kPanel + l] = lo + m;
+        out[(2 * j + 1) * kPanel + l] = hi + m;
+      }
+    }
+#endif
+  }
+}
+
+#ifdef PAGEDSERVE_AVX512
+// y[m0 .. m0 + R, n0 .. n0 + 16 V] from the expanded panel
+template <int R, int V>
+void tile(const float* x, const float* buf, float* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+  __m512 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm512_load_ps(buf + k * kPanel + v * kGroup);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xb = _mm512_set1_ps(xr[i * K + k]);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(xb, w[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + (m0 + i) * N + n0 + v * kGroup, acc[i][v]);
+}
+
+template <int V>
+void tile_rows(int64_t rows, const float* x, const float* buf, float* y, int64_t m0, int64_t n0, int64_t K,
+               int64_t N) {
+  switch (rows) {
+    case 1: tile<1, V>(x, buf, y, m0, n0, K, N); break;
+    case 2: tile<2, V>(x, buf, y, m0, n0, K, N); break;
+    case 3: tile<3, V>(x, buf, y, m0, n0, K, N); break;
+    case 4: tile<4, V>(x, buf, y, m0, n0, K, N); break;
+    case 5: tile<5, V>(x, buf, y, m0, n0, K, N); break;
+    case 6: tile<6, V>(x, buf, y, m0, n0, K, N); break;
+    case 7: tile<7, V>(x, buf, y, m0, n0, K, N); break;
+    default: tile<8, V>(x, buf, y, m0, n0, K, N); break;
+  }
+}
+#endif
+
+// every row of x against the panel's `groups` groups, expanded in buf
+void panel_product(const float* x, const float* buf, float* y, int64_t M, int64_t n0, int64_t groups, int64_t K,
+                   int64_t N) {
+#ifdef PAGEDSERVE_AVX512
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, M - m0);
+    if (groups == 3) tile_rows<3>(rows, x, buf, y, m0, n0, K, N);
+    else if (groups == 2) tile_rows<2>(rows, x, buf, y, m0, n0, K, N);
+    else tile_rows<1>(rows, x, buf, y, m0, n0, K, N);
+  }
+#else
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < groups * kGroup; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * K + k], buf[k * kPanel + c], acc);
+      y[m * N + n0 + c] = acc;
+    }
+#endif
+}
+
+}  // namespace
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q4_linear: x [M, K] float32");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == kGroup && codes.is_contiguous(),
+              "q4_linear: codes [N / 16, K / 2, 16] uint8");
+  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * kGroup;
+  TORCH_CHECK(K % kBlock == 0 && codes.size(1) == K / 2, "q4_linear: K a multiple of 32, codes [N / 16, K / 2, 16]");
+  for (const auto& t : {scales, mins})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == groups &&
+                t.size(1) == K / kBlock && t.size(2) == kGroup, "q4_linear: scales, mins [N / 16, K / 32, 16] float32");
+  auto y = torch::empty({M, N}, x.options());
+  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    float* buf = panel_buffer(K);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
+      expand(w, g0, count, buf);
+      panel_product(xp, buf, yp, M, g0 * kGroup, count, K, N);
+    }
+  });
+  return y;
+}
+
+// the float32 weights [N, K] the codes stand for (for checks; the kernel never builds them)
+torch::Tensor q4_expand(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
+  const int64_t groups = codes.size(0), K = codes.size(1) * 2;
+  auto out = torch::empty({groups * kGroup, K}, scales.options());
+  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K};
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    float* buf = panel_buffer(K);
+    for (int64_t g = g0; g < g1; ++g) {
+      expand(w, g, 1, buf);
+      for (int64_t l = 0; l < kGroup; ++l)
+        for (int64_t k = 0; k < K; ++k) op[(g * kGroup + l) * K + k] = buf[k * kPanel + l];
+    }
+  });
+  return out;
+}
