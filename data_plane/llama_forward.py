@@ -168,6 +168,6 @@ class LlamaForward:
 
 def build(model, codes: bool = True) -> tuple[LlamaForward | None, str | None]:
     """(the lean forward, None) for a model that qualifies, else (None, why not). `codes`: read the
-    weights that are exactly 4-bit codes as codes (ops/quantized.py)."""
+    weights that are exactly GGUF codes expanded as codes (ops/quantized.py)."""
     why = unsupported_reason(model)
     return (None, why) if why else (LlamaForward(model, codes=codes), None)

@@ -113,14 +113,14 @@ class ModelRunner:
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         # a Llama-shaped float32 CPU model runs the lean forward; its linear layers, and every other
-        # model's, are routed: weights that are exactly 4-bit codes through the kernel reading the
-        # codes, others by row count: few rows through the kernel, more through prepacked GEMM
-        self.lean, why_not = llama_forward.build(model, config.q4_codes) if config.lean_forward \
+        # model's, are routed: weights that are exactly GGUF codes expanded through the kernel reading
+        # the codes, others by row count: few rows through the kernel, more through prepacked GEMM
+        self.lean, why_not = llama_forward.build(model, config.gguf_codes) if config.lean_forward \
             else (None, "--no-lean-forward")
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model,
-                                          codes=config.q4_codes)
+                                          codes=config.gguf_codes)
         if self.lean:
-            routes["q4"] += sum(lin.q4 is not None for layer in self.lean.layers
+            routes["codes"] += sum(lin.codes is not None for layer in self.lean.layers
                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.graphs = None
         if config.decode_graphs == "eager" or capture:
@@ -128,12 +128,12 @@ class ModelRunner:
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
-                 "layers: %d read as 4-bit codes, outside the forward %d with the few-row kernel, %d with prepacked GEMM",
+                 "layers: %d read as GGUF codes, outside the forward %d with the few-row kernel, %d with prepacked GEMM",
                  self.num_blocks,
                  self.block_size, self.num_blocks * block_bytes / 2**20, device,
                  attention_ops.backend(device, self.dtype),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
-                 routes["q4"], routes["kernel"], routes["packed"])
+                 routes["codes"], routes["kernel"], routes["packed"])
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id

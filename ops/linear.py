@@ -1,9 +1,9 @@
 """Float32 linear layers on CPU, routed by the number of rows a step brings:
 
-- a weight whose float32 values are exactly 4-bit codes with a scale and a minimum per 32 inputs
-  (GGUF's Q4_1 expanded, as the default model is; ops/quantized.py finds them) goes through the
-  kernel that reads the codes (kernels/cpu/q4_linear.cpp) at every row count: it was 2.2x the routes
-  below at 1 row, 2.0x at 16, 1.3x at 64 and 1.06x at 512 over all of SmolLM2's layers;
+- a weight whose float32 values are exactly GGUF Q4_1 or Q8_0 codes expanded (as the default model's
+  are; ops/quantized.py finds them) goes through the kernel that reads the codes
+  (kernels/cpu/coded_linear.cpp) at every row count: over all of SmolLM2's Q4_1 layers it was 2.2x
+  the routes below at 1 row, 2.0x at 16, 1.3x at 64 and 1.06x at 512;
 - else, 1..SKINNY_MAX_ROWS rows: the few-row kernel (kernels/cpu/skinny_linear.cpp), which streams each
   weight row once at about the memory's bandwidth;
 - more rows: MKL's GEMM on a weight packed once at start (`torch.ops.mkl._mkl_linear`, the op
@@ -41,15 +41,15 @@ def has_packed_gemm() -> bool:
 class RoutedLinear:
     """y = x W^T + b for x [..., K], through the fastest route for its row count. `kernel` is the
     loaded CPU kernel module (or None), `packed` whether to pack W for MKL's GEMM, `codes` whether
-    to read W as 4-bit codes where its values allow it (exactly: see ops/quantized.py)."""
+    to read W as codes where its values allow it (exactly: see ops/quantized.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel, packed: bool,
                  skinny_max_rows: int = SKINNY_MAX_ROWS, codes: bool = True):
         self.weight, self.bias = weight, bias
         self.kernel = kernel if bias is None else None   # the kernels add no bias
-        self.q4 = quantized.find_q4_codes(weight) if codes and self.kernel is not None else None
+        self.codes = quantized.find_codes(weight) if codes and self.kernel is not None else None
         self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) \
-            if packed and has_packed_gemm() and self.q4 is None else None
+            if packed and has_packed_gemm() and self.codes is None else None
         self.skinny_max_rows = skinny_max_rows
 
     @property
@@ -61,8 +61,8 @@ class RoutedLinear:
         if rows == 0 or x.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
-        if self.q4 is not None:
-            out = self.kernel.q4_linear(flat.contiguous(), self.q4.codes, self.q4.scales, self.q4.mins)
+        if self.codes is not None:
+            out = self.codes.linear(self.kernel, flat.contiguous())
         elif self.kernel is not None and rows <= self.skinny_max_rows:
             out = self.kernel.skinny_linear(flat.contiguous(), self.weight)
         elif self.packed is not None:
@@ -83,20 +83,20 @@ def kernel_for(weights) -> object | None:
 
 def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS,
                   packed: bool | None = None, codes: bool = True) -> dict[str, int]:
-    """Route the float32 CPU `nn.Linear` layers of `model` through the 4-bit-code kernel (`codes`,
-    where a weight is exactly of that form), the few-row kernel (up to `skinny_max_rows` rows) and
+    """Route the float32 CPU `nn.Linear` layers of `model` through the kernel reading codes (`codes`,
+    where a weight is exactly GGUF codes expanded), the few-row kernel (up to `skinny_max_rows` rows) and
     the packed GEMM (`packed`: None uses it where MKL has it); returns how many layers each route took
     over (0 each when none is available). Calling it again re-routes."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and eligible(m.weight)]
     kernel = kernel_for([m.weight for m in layers if m.bias is None])
     packed = has_packed_gemm() if packed is None else packed
-    counts = {"q4": 0, "kernel": 0, "packed": 0}
+    counts = {"codes": 0, "kernel": 0, "packed": 0}
     for module in layers:
         routed = RoutedLinear(module.weight, module.bias, kernel, packed, skinny_max_rows, codes)
         if not routed.routed:
             continue
         module.forward = routed   # instance attribute: hooks still run
-        counts["q4"] += routed.q4 is not None
-        counts["kernel"] += routed.kernel is not None and routed.q4 is None
+        counts["codes"] += routed.codes is not None
+        counts["kernel"] += routed.kernel is not None and routed.codes is None
         counts["packed"] += routed.packed is not None
     return counts

@@ -1,43 +1,56 @@
-"""Float32 weights that are exactly 4-bit codes with a scale and a minimum per 32 inputs.
+"""Float32 weights that are exactly small integer codes with a scale (and minimum) per 32 inputs.
 
-A model loaded from a GGUF file in Q4_1 (the default model) is expanded by transformers to float32:
-every block of 32 weights in a row is `scale * code + min`, code in 0..15, scale and min float16,
-rounded in float32 after the product and after the sum. The model is then served in float32, but
-its weights carry 5 bits of information each, not 32. `find_q4_codes` recovers the codes from the
-float32 values alone (no GGUF parsing: it works for any layer whose values have that form, and row
-permutations such as transformers' Q/K reordering do not matter) and keeps them only if they give
-back every weight bit for bit. The kernel (kernels/cpu/q4_linear.cpp) then reads the codes instead
-of the float32 weights: a step of a few rows is bound by reading the weights from memory, and these
-are 6.4 times smaller. The products are the same float32 arithmetic on the same float32 weights.
+A model loaded from a GGUF file is expanded by transformers to float32. The default model's file
+holds its linear layers in Q4_1 and its embedding (tied to the output layer) in Q8_0:
+- Q4_1: every block of 32 weights in a row is `scale * code + min`, code in 0..15, scale and min
+  float16, rounded in float32 after the product and after the sum;
+- Q8_0: `scale * code`, code in -128..127, scale float16.
+The model is then served in float32, but its weights carry 5 or 8.5 bits of information each, not 32.
+`find_codes` recovers the codes from the float32 values alone (no GGUF parsing: it works for any
+layer whose values have that form, and row permutations such as transformers' Q/K reordering do not
+matter) and keeps them only if they give back every weight bit for bit. The kernel
+(kernels/cpu/coded_linear.cpp) then reads the codes instead of the float32 weights: a step of a few
+rows is bound by reading the weights from memory, and these are 5.3 (Q4_1) and 3.6 (Q8_0) times
+smaller (the kernel keeps scales and minimums in float32: 6 and 9 bits a weight). The
+products are float32 arithmetic on the same float32 weights.
 
-How the codes are found, per block of 32: llama.cpp's Q4_1 quantizer stores min = the block's
-minimum and scale = (max - min) / 15, both rounded to float16, so code 0 gives the minimum back
-exactly and the scale is the float16 value nearest (max - min) / 15 or one of its neighbours. Each
-candidate scale is tried; a block is found when every one of its 32 weights comes back exactly.
+How the codes are found, per block of 32. llama.cpp's quantizers store
+- Q4_1: min = the block's minimum and scale = (max - min) / 15, both rounded to float16, so code 0
+  gives the minimum back exactly;
+- Q8_0: scale = max |w| / 127 rounded to float16.
+The scale is the float16 value nearest that estimate or one of its neighbours: each candidate is
+tried, and a block is found when every one of its 32 weights comes back with the same bits.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 GROUP = 16          # output rows per group of the kernel's layout
-BLOCK = 32          # inputs per scale and minimum
+BLOCK = 32          # inputs per scale (and minimum)
 _SCALE_STEPS = (0, -1, 1, -2, 2)   # float16 neighbours of the estimated scale, tried in this order
 
 
-class Q4Codes:
-    """The packed codes of one [N, K] weight, in the layout kernels/cpu/q4_linear.cpp reads."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
-        self.codes, self.scales, self.mins = codes, scales, mins
+@dataclass
+class Codes:
+    """The packed codes of one [N, K] weight, in the layout kernels/cpu/coded_linear.cpp reads."""
+    kind: str                    # "q4_1" or "q8_0"
+    codes: torch.Tensor          # q4_1: uint8 [N / 16, K / 2, 16]; q8_0: int8 [N / 16, K, 16]
+    scales: torch.Tensor         # float32 [N / 16, K / 32, 16]
+    mins: torch.Tensor | None    # q4_1: float32 [N / 16, K / 32, 16]; q8_0: None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
+
+    def linear(self, kernel, x: torch.Tensor) -> torch.Tensor:
+        return kernel.coded_linear(x, self.codes, self.scales, self.mins)
 
 
-def find_q4_codes(weight: torch.Tensor) -> Q4Codes | None:
-    """The codes of `weight` [N, K], or None when it is not exactly of the Q4_1 form (or its shape
-    does not fit the kernel: N a multiple of 16, K of 32)."""
+def find_codes(weight: torch.Tensor) -> Codes | None:
+    """The codes of `weight` [N, K] in the first format that gives it back exactly, or None (also
+    when its shape does not fit the kernel: N a multiple of 16, K of 32)."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
     n, k = weight.shape
@@ -45,32 +58,62 @@ def find_q4_codes(weight: torch.Tensor) -> Q4Codes | None:
         return None
     with torch.no_grad():
         blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
-        low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-        if not torch.isfinite(low).all() or not torch.isfinite(high).all() \
-                or not torch.equal(low.half().float(), low):
+        if not torch.isfinite(blocks).all():
             return None
-        estimate_bits = ((high - low) / 15).half().view(torch.int16)
-        found = torch.zeros(low.shape, dtype=torch.bool)
-        scales = torch.zeros_like(low)
-        codes = torch.zeros(blocks.shape, dtype=torch.uint8)
-        for step in _SCALE_STEPS:
-            scale = (estimate_bits + step).view(torch.float16).float()
-            scale = torch.where(torch.isfinite(scale) & (scale >= 0), scale, torch.zeros_like(scale))
-            code = torch.where(scale > 0, (blocks - low) / scale, torch.zeros_like(blocks)).round_().clamp_(0, 15)
-            exact = ((scale * code + low) == blocks).all(-1, keepdim=True) & ~found
-            scales = torch.where(exact, scale, scales)
-            codes = torch.where(exact, code.to(torch.uint8), codes)
-            found |= exact
-            if bool(found.all()):
-                return _pack(codes.reshape(n, k), scales.reshape(n, k // BLOCK), low.reshape(n, k // BLOCK))
+        return _find_q4_1(blocks) or _find_q8_0(blocks)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per block: every value of `a` has the bits of `b` (-0.0 and 0.0 differ)."""
+    return (a.view(torch.int32) == b.view(torch.int32)).all(-1, keepdim=True)
+
+
+def _search(blocks, estimate, expand, code_of):
+    """Per block, the first float16 scale near `estimate` whose codes `expand` back to the block;
+    (scales, codes) or None when some block has none."""
+    estimate_bits = estimate.half().view(torch.int16)
+    found = torch.zeros(estimate.shape, dtype=torch.bool)
+    scales, codes = torch.zeros_like(estimate), torch.zeros_like(blocks)
+    for step in _SCALE_STEPS:
+        scale = (estimate_bits + step).view(torch.float16).float()
+        scale = torch.where(torch.isfinite(scale) & (scale >= 0), scale, torch.zeros_like(scale))
+        code = code_of(scale) + 0.0   # integer codes: no -0.0 (GGUF's int8 0 expands to +0.0)
+        exact = _same_bits(expand(scale, code), blocks) & ~found
+        scales, codes = torch.where(exact, scale, scales), torch.where(exact, code, codes)
+        found |= exact
+        if bool(found.all()):
+            return scales, codes
     return None
 
 
-def _pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Q4Codes:
-    """codes [N, K] (0..15), scales and mins [N, K / 32] into the kernel's layout (see its header)."""
-    n, k = codes.shape
-    pairs = codes.reshape(n // GROUP, GROUP, k // 2, 2).permute(0, 2, 1, 3)
+def _find_q4_1(blocks: torch.Tensor) -> Codes | None:
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    if not torch.equal(low.half().float(), low):
+        return None
+    found = _search(blocks, (high - low) / 15, lambda scale, code: scale * code + low,
+                    lambda scale: torch.where(scale > 0, (blocks - low) / scale, 0.0).round_().clamp_(0, 15))
+    if found is None:
+        return None
+    n, nb = blocks.shape[:2]
+    scales, codes = found
+    codes = codes.to(torch.uint8).reshape(n, nb * BLOCK)
+    pairs = codes.reshape(n // GROUP, GROUP, nb * BLOCK // 2, 2).permute(0, 2, 1, 3)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
-    def by_group(t):
-        return t.reshape(n // GROUP, GROUP, k // BLOCK).transpose(1, 2).contiguous()
-    return Q4Codes(packed, by_group(scales), by_group(mins))
+    return Codes("q4_1", packed, _by_group(scales), _by_group(low))
+
+
+def _find_q8_0(blocks: torch.Tensor) -> Codes | None:
+    found = _search(blocks, blocks.abs().amax(-1, keepdim=True) / 127, lambda scale, code: scale * code,
+                    lambda scale: torch.where(scale > 0, blocks / scale, 0.0).round_().clamp_(-128, 127))
+    if found is None:
+        return None
+    n, nb = blocks.shape[:2]
+    scales, codes = found
+    codes = codes.to(torch.int8).reshape(n // GROUP, GROUP, nb * BLOCK).transpose(1, 2).contiguous()
+    return Codes("q8_0", codes, _by_group(scales), None)
+
+
+def _by_group(t: torch.Tensor) -> torch.Tensor:
+    """[N, K / 32, 1] per-block values into the kernel's [N / 16, K / 32, 16]."""
+    n, nb = t.shape[:2]
+    return t.reshape(n // GROUP, GROUP, nb).transpose(1, 2).contiguous()

@@ -77,7 +77,7 @@ class DataPlaneConfig:
     curve_keys: str | None = None       # key folder (pagedserve keygen): CURVE-encrypted, authenticated link
     insecure: bool = False              # allow listening off loopback without CURVE keys
     lean_forward: bool = True           # Llama-shaped float32 CPU models: data_plane/llama_forward.py
-    q4_codes: bool = True               # float32 weights that are exactly Q4_1 codes read as codes (ops/quantized.py)
+    gguf_codes: bool = True             # float32 weights that are exactly GGUF codes read as codes (ops/quantized.py)
     decode_graphs: str = "auto"         # auto: CUDA graphs on CUDA; eager: padded static path, no capture; off
 
     def validate(self) -> "DataPlaneConfig":
@@ -208,9 +208,9 @@ def add_data_plane_args(parser: argparse.ArgumentParser, metrics_flag: str = "--
                              "eager: the same padded static buffers without capture; off")
     parser.add_argument("--no-lean-forward", dest="lean_forward", action="store_false",
                         help="run transformers' forward even where pagedserve's lean Llama forward applies")
-    parser.add_argument("--no-q4-codes", dest="q4_codes", action="store_false",
-                        help="read float32 weights even where they are exactly GGUF Q4_1 codes (the default "
-                             "model's are; the kernel expands them to the same float32 values)")
+    parser.add_argument("--no-gguf-codes", dest="gguf_codes", action="store_false",
+                        help="read float32 weights even where they are exactly GGUF Q4_1/Q8_0 codes expanded (the "
+                             "default model's are; the kernel expands them to the same float32 values)")
 
 
 def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
@@ -221,7 +221,7 @@ def data_plane_config(args: argparse.Namespace, listen: str) -> DataPlaneConfig:
         swap_blocks=args.swap_blocks, swap_space_gib=args.swap_space_gib,
         metrics_port=args.metrics_port, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         curve_keys=args.curve_keys, lean_forward=getattr(args, "lean_forward", True),
-        q4_codes=getattr(args, "q4_codes", True),
+        gguf_codes=getattr(args, "gguf_codes", True),
         decode_graphs=getattr(args, "decode_graphs", "auto"),
         insecure=getattr(args, "insecure", False)).validate()
 
@@ -244,8 +244,8 @@ def data_plane_argv(config: DataPlaneConfig) -> list[str]:
         argv += ["--insecure"]
     if not config.lean_forward:
         argv += ["--no-lean-forward"]
-    if not config.q4_codes:
-        argv += ["--no-q4-codes"]
+    if not config.gguf_codes:
+        argv += ["--no-gguf-codes"]
     if config.decode_graphs != "auto":
         argv += ["--decode-graphs", config.decode_graphs]
     return argv

@@ -61,13 +61,25 @@ def q4_1_form(weight: torch.Tensor) -> torch.Tensor:
     return (scale * code + low).reshape(n, k)
 
 
-def q4_1_model(model):
-    """Every linear layer of `model` whose shape the Q4 kernel takes (out a multiple of 16, in of 32)
-    in Q4_1 form, in place; returns the model."""
+def q8_0_form(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded to what a GGUF Q8_0 file expands to: per 32 inputs, float16
+    scale = max |w| / 127, code = round(w / scale), w = scale * code in float32."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // 32, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    code = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-128, 127) + 0.0  # no -0.0
+    return (scale * code).reshape(n, k)
+
+
+def gguf_form_model(model):
+    """`model` in place as the default model's GGUF expands: every linear layer whose shape the codes
+    kernel takes (out a multiple of 16, in of 32) in Q4_1 form, the output layer in Q8_0; returns it."""
+    output = model.get_output_embeddings()
     with torch.no_grad():
         for module in model.modules():
             if type(module) is torch.nn.Linear and module.out_features % 16 == 0 and module.in_features % 32 == 0:
-                module.weight.copy_(q4_1_form(module.weight))
+                form = q8_0_form if module is output else q4_1_form
+                module.weight.copy_(form(module.weight))
     return model
 
 

@@ -1,18 +1,20 @@
-// y[M, N] = x[M, K] . W[N, K]^T where W's float32 values are those of 4-bit codes with a scale and a
-// minimum per 32 inputs: W[n, k] = scale * code + min, rounded after the product and after the sum,
-// which is how GGUF's Q4_1 format expands to float32 (transformers loads the default model that way).
-// ops/quantized.py finds the codes of a model's float32 weights and checks that they give back every
-// weight bit for bit; this kernel then reads 5 bits per weight instead of 32.
+// y[M, N] = x[M, K] . W[N, K]^T where W's float32 values are those of small integer codes with a
+// float16 scale (and minimum) per 32 inputs, the two GGUF formats the default model's file uses:
+//   Q4_1: W[n, k] = scale * code + min, code in 0..15, rounded after the product and after the sum;
+//   Q8_0: W[n, k] = scale * code, code in -128..127, rounded after the product;
+// which is how transformers expands them to float32. ops/quantized.py finds the codes of a model's
+// float32 weights and checks that they give back every weight bit for bit; this kernel then reads
+// 6 (Q4_1) or 9 (Q8_0) bits per weight instead of 32 (scales and minimums are kept in float32).
 //
-// Layout (ops/quantized.py packs it): output rows in groups of 16. For group g and the input pair
-// (2j, 2j+1), 16 bytes: byte l holds the code of (row 16g + l, input 2j) in its low nibble and that
-// of input 2j + 1 in its high nibble. Scales and minimums: for group g and block b of 32 inputs,
-// 16 floats, one per row of the group.
+// Layout (ops/quantized.py packs it): output rows in groups of 16. Q4_1: for group g and the input
+// pair (2j, 2j+1), 16 bytes: byte l holds the code of (row 16g + l, input 2j) in its low nibble and
+// that of input 2j + 1 in its high nibble. Q8_0: for group g and input k, 16 signed bytes, one per
+// row. Scales (and minimums): for group g and block b of 32 inputs, 16 floats, one per row.
 //
 // A thread takes a panel of up to 48 output rows, expands its weights to float32 once into a buffer
 // laid out input by input (48 floats per input), then runs every 8-row tile of x over the buffer with
 // 8 x 3 sixteen-lane accumulators: per input, 3 loads of weights and 8 broadcasts of x feed 24 FMAs.
-// Each output is the FMA chain over k = 0..K-1 in order.
+// Each output is the FMA chain over k = 0..K-1 in order, whatever the number of rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,6 +22,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <vector>
 
 #include "simd.h"
 
@@ -35,9 +38,9 @@ constexpr int64_t kTileRows = 8;               // rows of x per register tile
 constexpr int64_t kBlock = 32;                 // inputs per scale and minimum
 
 struct Weights {
-  const uint8_t* codes;   // [groups, K / 2, 16]
+  const void* codes;      // Q4_1: uint8 [groups, K / 2, 16]; Q8_0: int8 [groups, K, 16]
   const float* scales;    // [groups, K / 32, 16]
-  const float* mins;      // [groups, K / 32, 16]
+  const float* mins;      // [groups, K / 32, 16]; null for Q8_0
   int64_t K;
 };
 
@@ -53,10 +56,10 @@ float* panel_buffer(int64_t K) {
 }
 
 // the float32 weights of groups [g0, g0 + groups) into buf[k * 48 + 16 * v + lane]
-void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
+void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
   const int64_t K = w.K, pairs = K / 2, blocks = K / kBlock;
   for (int64_t v = 0; v < groups; ++v) {
-    const uint8_t* codes = w.codes + (g0 + v) * pairs * kGroup;
+    const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + (g0 + v) * pairs * kGroup;
     const float* scales = w.scales + (g0 + v) * blocks * kGroup;
     const float* mins = w.mins + (g0 + v) * blocks * kGroup;
     float* out = buf + v * kGroup;
@@ -84,6 +87,33 @@ void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
     }
 #endif
   }
+}
+
+void expand_q8(const Weights& w, int64_t g0, int64_t groups, float* buf) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  for (int64_t v = 0; v < groups; ++v) {
+    const int8_t* codes = static_cast<const int8_t*>(w.codes) + (g0 + v) * K * kGroup;
+    const float* scales = w.scales + (g0 + v) * blocks * kGroup;
+    float* out = buf + v * kGroup;
+    for (int64_t b = 0; b < blocks; ++b) {
+#ifdef PAGEDSERVE_AVX512
+      const __m512 d = _mm512_loadu_ps(scales + b * kGroup);
+      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+        const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kGroup)));
+        _mm512_store_ps(out + k * kPanel, _mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
+      }
+#else
+      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
+        for (int64_t l = 0; l < kGroup; ++l)
+          out[k * kPanel + l] = static_cast<float>(codes[k * kGroup + l]) * scales[b * kGroup + l];
+#endif
+    }
+  }
+}
+
+void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
+  if (w.mins != nullptr) expand_q4(w, g0, groups, buf);
+  else expand_q8(w, g0, groups, buf);
 }
 
 #ifdef PAGEDSERVE_AVX512
@@ -142,19 +172,29 @@ void panel_product(const float* x, const float* buf, float* y, int64_t M, int64_
 #endif
 }
 
+// checks the codes' shapes against x's K and returns the weights' view (Q4_1 when mins is given)
+Weights coded_weights(const torch::Tensor& codes, const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+                      int64_t K) {
+  const bool q4 = mins.has_value();
+  TORCH_CHECK(K % kBlock == 0, "coded_linear: K a multiple of 32");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kGroup && codes.is_contiguous() &&
+              codes.scalar_type() == (q4 ? at::kByte : at::kChar) && codes.size(1) == (q4 ? K / 2 : K),
+              q4 ? "coded_linear: Q4_1 codes [N / 16, K / 2, 16] uint8" : "coded_linear: Q8_0 codes [N / 16, K, 16] int8");
+  std::vector<torch::Tensor> floats{scales};
+  if (q4) floats.push_back(*mins);
+  for (const auto& t : floats)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == codes.size(0) &&
+                t.size(1) == K / kBlock && t.size(2) == kGroup, "coded_linear: scales, mins [N / 16, K / 32, 16] float32");
+  return Weights{codes.data_ptr(), scales.data_ptr<float>(), q4 ? mins->data_ptr<float>() : nullptr, K};
+}
+
 }  // namespace
 
-torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q4_linear: x [M, K] float32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == kGroup && codes.is_contiguous(),
-              "q4_linear: codes [N / 16, K / 2, 16] uint8");
+torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "coded_linear: x [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * kGroup;
-  TORCH_CHECK(K % kBlock == 0 && codes.size(1) == K / 2, "q4_linear: K a multiple of 32, codes [N / 16, K / 2, 16]");
-  for (const auto& t : {scales, mins})
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == groups &&
-                t.size(1) == K / kBlock && t.size(2) == kGroup, "q4_linear: scales, mins [N / 16, K / 32, 16] float32");
+  const Weights w = coded_weights(codes, scales, mins, K);
   auto y = torch::empty({M, N}, x.options());
-  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
@@ -170,10 +210,10 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 }
 
 // the float32 weights [N, K] the codes stand for (for checks; the kernel never builds them)
-torch::Tensor q4_expand(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins) {
-  const int64_t groups = codes.size(0), K = codes.size(1) * 2;
+torch::Tensor coded_expand(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
+  const int64_t groups = codes.size(0), K = mins.has_value() ? codes.size(1) * 2 : codes.size(1);
+  const Weights w = coded_weights(codes, scales, mins, K);
   auto out = torch::empty({groups * kGroup, K}, scales.options());
-  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K};
   float* op = out.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     float* buf = panel_buffer(K);

@@ -1,0 +1,112 @@
+"""ops/quantized.py and kernels/cpu/coded_linear.cpp: float32 weights that are exactly GGUF Q4_1 or
+Q8_0 codes expanded are found, give back every bit, and the kernel reading the codes computes x W^T."""
+import pytest
+import torch
+
+from ops import cpu_kernels, linear, quantized
+from tests.helpers import q4_1_form, q8_0_form
+
+FORMS = {"q4_1": q4_1_form, "q8_0": q8_0_form}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_kernels.load()
+    assert module is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
+    return module
+
+
+def _weight(kind, n, k, seed=0):
+    return FORMS[kind](torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+
+
+def _bits(t):
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_codes_give_back_every_weight_bit_for_bit(kernel, kind):
+    weight = _weight(kind, 80, 96)
+    weight[3, 32:64] = 0.25 if kind == "q4_1" else 0.0   # a block of one value: scale 0
+    weight[17] = weight[17].flip(0)                    # codes are per row: any row order
+    codes = quantized.find_codes(weight)
+    assert codes is not None and codes.kind == kind
+    assert codes.codes.shape == ((5, 48, 16) if kind == "q4_1" else (5, 96, 16))
+    assert codes.scales.shape == (5, 3, 16)
+    assert codes.nbytes * (3.5 if kind == "q8_0" else 5.3) < weight.numel() * 4   # float32 scales: 6 and 9 bits a weight
+    expanded = kernel.coded_expand(codes.codes, codes.scales, codes.mins)
+    assert torch.equal(_bits(expanded), _bits(weight))
+
+
+@pytest.mark.parametrize("case", ["random floats", "one weight one ulp off", "a negative zero", "rows not 16s",
+                                  "inputs not 32s", "bfloat16", "a NaN"])
+@pytest.mark.parametrize("kind", FORMS)
+def test_weights_not_exactly_of_that_form_are_left_alone(case, kind):
+    weight = _weight(kind, 32, 64)
+    if case == "random floats":
+        weight = torch.randn(32, 64)
+    elif case == "one weight one ulp off":
+        weight[5, 40] = torch.nextafter(weight[5, 40], torch.tensor(10.0))
+    elif case == "a negative zero":   # equal to 0.0 as a number, not as bits
+        weight[0, 0:32] = 0.0
+        weight[0, 7] = -0.0
+    elif case == "rows not 16s":
+        weight = _weight(kind, 24, 64)
+    elif case == "inputs not 32s":
+        weight = weight[:, :48].contiguous()
+    elif case == "bfloat16":
+        weight = weight.to(torch.bfloat16)
+    else:
+        weight[1, 1] = float("nan")
+    assert quantized.find_codes(weight) is None
+
+
+@pytest.mark.parametrize("kind", FORMS)
+@pytest.mark.parametrize("n", [16, 32, 48, 80, 176])   # panels of 1, 2 and 3 groups, and mixes
+def test_kernel_computes_x_times_w_transposed(kernel, kind, n):
+    weight = _weight(kind, n, 160, seed=n)
+    codes = quantized.find_codes(weight)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 5, 7, 8, 9, 16, 17, 70):     # every tile height and a tail after full tiles
+        x = torch.randn(rows, 160, generator=gen)
+        want = (x.double() @ weight.double().T).float()
+        torch.testing.assert_close(codes.linear(kernel, x), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_a_rows_result_does_not_depend_on_the_batch_it_comes_in(kernel, kind):
+    codes = quantized.find_codes(_weight(kind, 96, 128, seed=3))
+    x = torch.randn(21, 128, generator=torch.Generator().manual_seed(2))
+    together = codes.linear(kernel, x)
+    for i in (0, 7, 8, 20):
+        assert torch.equal(codes.linear(kernel, x[i:i + 1].contiguous())[0], together[i])
+
+
+def test_kernel_refuses_what_does_not_fit(kernel):
+    q4, q8 = quantized.find_codes(_weight("q4_1", 32, 64)), quantized.find_codes(_weight("q8_0", 32, 64))
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        kernel.coded_linear(torch.randn(2, 80), q4.codes, q4.scales, q4.mins)
+    with pytest.raises(RuntimeError, match="Q4_1 codes"):     # x's K is not the codes'
+        kernel.coded_linear(torch.randn(2, 96), q4.codes, q4.scales, q4.mins)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.coded_linear(torch.randn(2, 64, dtype=torch.float64), q4.codes, q4.scales, q4.mins)
+    with pytest.raises(RuntimeError, match="Q4_1 codes"):     # Q8_0 codes with a minimum
+        kernel.coded_linear(torch.randn(2, 64), q8.codes, q8.scales, q8.scales)
+    with pytest.raises(RuntimeError, match="Q8_0 codes"):     # Q4_1 codes without one
+        kernel.coded_linear(torch.randn(2, 64), q4.codes, q4.scales, None)
+
+
+def test_routed_linear_reads_codes_at_every_row_count_and_packs_nothing(kernel, monkeypatch):
+    weight = _weight("q4_1", 64, 96, seed=5)
+    routed = linear.RoutedLinear(weight, None, kernel, packed=True)
+    assert routed.codes is not None and routed.packed is None     # no second float32 copy for MKL
+    calls = []
+    real = kernel.coded_linear
+    monkeypatch.setattr(kernel, "coded_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.no_grad():   # training keeps torch's F.linear
+        for rows in (1, 9, 300):
+            x = torch.randn(1, rows, 96)
+            torch.testing.assert_close(routed(x), torch.nn.functional.linear(x, weight), atol=1e-4, rtol=1e-5)
+    assert calls == [1, 9, 300]
+    assert linear.RoutedLinear(weight, None, kernel, packed=True, codes=False).codes is None
+    assert linear.RoutedLinear(weight, torch.zeros(64), kernel, packed=False).codes is None   # it adds no bias
