@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ops.attention import paged_attention, write_kv
+from ops.attention import KernelRows, paged_attention, write_kv
 
 ATTENTION_NAME = "pagedserve"
 
@@ -30,8 +30,8 @@ class StepContext:
     seq_lens: torch.Tensor         # [seqs] int32: context length after this step
     query_start_loc: torch.Tensor  # [seqs + 1] int32
     max_query_len: int
-    # CPU: ops.attention.decode_rows(query_start_loc), made once per step for every layer's kernel call
-    decode_rows: torch.Tensor | None = None
+    # CPU: ops.attention.kernel_rows(...), the kernel's rows made once per step for every layer
+    kernel_rows: KernelRows | None = None
 
 
 @dataclass
@@ -88,7 +88,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                           scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap,
-                          decode_rows=ctx.decode_rows)
+                          kernel_rows=ctx.kernel_rows)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
 

@@ -157,7 +157,7 @@ class LlamaForward:
             cache = ctx.kv_pool[index]
             write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
             out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                  layer.scaling, ctx.max_query_len, decode_rows=ctx.decode_rows)
+                                  layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows)
             x = ops.add_rms_norm(residual, layer.o(out.view(tokens, layer.q_size)), layer.post_norm.weight,
                                  layer.post_norm.variance_epsilon)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))

@@ -248,11 +248,9 @@ class ModelRunner:
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
-            # the CPU decode kernel's (query row, sequence) pairs, once for every layer of the step
-            decode_rows=None if self.triton else torch.tensor(
-                [(a, s) for s, (a, b) in enumerate(zip(starts, starts[1:])) if b - a == 1],
-                dtype=torch.int64).view(-1, 2))
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        if not self.triton:   # the CPU kernel's rows, once for every layer of the step
+            ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows

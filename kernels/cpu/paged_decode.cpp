@@ -14,8 +14,14 @@
 // k_cache/v_cache [blocks, block_size, kv_heads, head_dim] contiguous; block_tables int32
 // [seqs, max_blocks]; seq_lens int32 [seqs]; rows int64 [R, 2] = (token row, sequence).
 //
-// With AVX2+FMA (and head_dim a multiple of 8) the dot products, exponentials and value sums
-// are vectorized by hand; otherwise plain loops do the same arithmetic.
+// With AVX-512 and head_dim 32, 64, 80, 96 or 128, an item keeps its query heads and their output
+// sums in sixteen-lane registers while it walks the context (decode_avx512: per position, each key
+// and value row is loaded once for up to four query heads). Measured against the AVX2 path below
+// on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64), 2 threads: a decode step of 64 sequences
+// at context 128, 26.9 against 32.2 ms over 30 layers; prompt rows (one row per query token, see
+// ops/attention.py), 10 prompts of 51 tokens 0.32 against 0.66 ms a layer, one of 128 0.32 against
+// 0.60. Otherwise, with AVX2+FMA (and head_dim a multiple of 8) the dot products, exponentials and
+// value sums are vectorized by hand in eight lanes; without, plain loops do the same arithmetic.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -191,6 +197,135 @@ void decode_one(const Shape& sh, const float* q, const float* kc, const float* v
   }
 }
 
+#ifdef PAGEDSERVE_AVX512
+// e^x for x <= 0, as exp_nonpositive above in sixteen lanes (same reduction and polynomial)
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
+// in place: s[p] = exp(s[p] - m) over n floats; returns the sum
+inline float exp_shifted_sum16(float* s, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mv));
+    _mm512_storeu_ps(s + p, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (p < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - p)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + p), mv)));
+    _mm512_mask_storeu_ps(s + p, tail, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// One item of up to C query heads that share a KV head, head_dim = 16 NV: the queries and the
+// output accumulators stay in registers while the item walks the context. Per position: the key
+// row is loaded once for the C heads (NV loads, C * NV FMAs, C lane sums), the value row once
+// (NV loads, C * NV FMAs).
+template <int NV, int C>
+void decode_heads16(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+                    const int32_t* table, int64_t begin, int64_t full_len, int64_t tok, int64_t h, int64_t j0,
+                    float* scores) {
+  const int64_t len = full_len - begin;
+  __m512 qv[C][NV];
+  for (int c = 0; c < C; ++c) {
+    const float* qh = q + tok * sh.q_tok + (h * sh.group + j0 + c) * sh.q_head;
+    for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(_mm512_loadu_ps(qh + 16 * v), _mm512_set1_ps(sh.scale));
+  }
+  // scores[c * len + p] = <scale * q_c, k_p>
+  walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const float* row) {
+    const float* k = row + h * sh.head_dim;
+    __m512 kv[NV];
+    for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + 16 * v);
+    for (int c = 0; c < C; ++c) {
+      __m512 d = _mm512_mul_ps(qv[c][0], kv[0]);
+      for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[c][v], kv[v], d);
+      scores[c * len + p] = _mm512_reduce_add_ps(d);
+    }
+  });
+  float inv_sum[C];
+  for (int c = 0; c < C; ++c) {
+    float* sc = scores + c * len;
+    if (sh.softcap > 0.f) {
+      const float inv_cap = 1.f / sh.softcap;
+      for (int64_t i = 0; i < len; ++i) sc[i] = sh.softcap * std::tanh(sc[i] * inv_cap);
+    }
+    inv_sum[c] = 1.f / exp_shifted_sum16(sc, len, *std::max_element(sc, sc + len));
+  }
+  __m512 acc[C][NV];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
+  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const float* row) {
+    const float* val = row + h * sh.head_dim;
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(val + 16 * v);
+    for (int c = 0; c < C; ++c) {
+      const __m512 w = _mm512_set1_ps(scores[c * len + p]);
+      for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ps(w, vv[v], acc[c][v]);
+    }
+  });
+  for (int c = 0; c < C; ++c) {
+    float* oc = o + tok * sh.o_tok + (h * sh.group + j0 + c) * sh.o_head;
+    const __m512 inv = _mm512_set1_ps(inv_sum[c]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(oc + 16 * v, _mm512_mul_ps(acc[c][v], inv));
+  }
+}
+
+template <int NV>
+void decode_item16(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+                   const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
+                   std::vector<float>& scores) {
+  constexpr int kChunk = NV <= 4 ? 4 : 2;   // query heads per pass: C * NV accumulators in registers
+  const int64_t begin = sh.window > 0 ? std::max<int64_t>(0, full_len - sh.window) : 0;
+  scores.resize(kChunk * (full_len - begin));
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t j = 0; j < sh.group;) {
+      const int64_t c = std::min<int64_t>(kChunk, sh.group - j);
+      float* sc = scores.data();
+      switch (c) {
+        case 1: decode_heads16<NV, 1>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        case 2: decode_heads16<NV, 2>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        case 3: decode_heads16<NV, 3>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        default: decode_heads16<NV, kChunk>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+      }
+      j += c;
+    }
+}
+
+// the AVX-512 path for head_dim 16 NV (NV = 1..8); false: not handled here
+bool decode_avx512(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+                   const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
+                   std::vector<float>& scores) {
+  switch (sh.head_dim) {
+    case 32: decode_item16<2>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 64: decode_item16<4>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 80: decode_item16<5>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 96: decode_item16<6>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 128: decode_item16<8>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    default: return false;
+  }
+}
+#endif
+
 }  // namespace
 
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -255,6 +390,9 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
       const int64_t tok = row[2 * r], s = row[2 * r + 1];
       const int32_t* table = tables + s * sh.max_blocks;
+#ifdef PAGEDSERVE_AVX512
+      if (decode_avx512(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores)) continue;
+#endif
       if (vector) decode_one<true>(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores, acc);
       else decode_one<false>(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores, acc);
     }

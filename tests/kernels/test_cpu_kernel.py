@@ -44,11 +44,26 @@ def test_decode_matches_dense_attention(kernel, heads, kv_heads, head_dim, block
     torch.testing.assert_close(out, dense_attention(batch), atol=2e-6, rtol=1e-5)
 
 
-def test_mixed_batch_decode_rows_in_kernel_prompt_rows_in_reference(kernel):
-    batch = _batch(7, 24, 90, 9, 3, 64, 16, decode_only=False)
-    assert batch.max_query_len > 1
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
+def test_mixed_batch_short_prompt_runs_in_kernel_long_ones_in_reference(kernel, heads, kv_heads, head_dim,
+                                                                        monkeypatch):
+    # decode rows, prompt runs of 2-9 tokens and of exactly the limit (the kernel's, one row per token),
+    # and runs past the limit: a whole prompt and a chunk after cached context (the reference's)
+    limit = attention.KERNEL_MAX_QUERY
+    seq_lens = [16, 40, 9, 130, limit, limit + 1, 300, 75]
+    q_lens = [1, 1, 9, 2, limit, limit + 1, limit + 20, 1]
+    batch = PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                       dtype=torch.float32, device="cpu", seed=7)
+    work = attention.kernel_rows(batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    assert work.rest == [5, 6]
+    assert work.rows.shape[0] == sum(q for q in q_lens if q <= limit)
+    assert work.lens[:4].tolist() == [16, 40, 1, 2]        # prompt tokens see their own causal context
+    extended = []
+    real = attention.reference.extend_one
+    monkeypatch.setattr(attention.reference, "extend_one", lambda q, *a: extended.append(q.shape[0]) or real(q, *a))
     torch.testing.assert_close(attention.paged_attention(*batch.args()), dense_attention(batch),
                                atol=2e-6, rtol=1e-5)
+    assert extended == [limit + 1, limit + 20]
 
 
 def test_query_as_the_model_hands_it_over_strided_heads(kernel):
