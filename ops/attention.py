@@ -117,7 +117,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
     if kernel is not None:
         return _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                    scale, sliding_window, softcap, kernel_rows)
+                                    scale, sliding_window=sliding_window, softcap=softcap, work=kernel_rows)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len, sliding_window, softcap)
 
@@ -156,7 +156,7 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
                       lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist())
 
 
-def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
                          sliding_window=None, softcap=None, work: KernelRows | None = None):
     """The kernel's rows (decode rows and short prompt runs) straight from the blocks; longer prompt
     runs through the reference's causal SDPA over the gathered context."""
