@@ -23,9 +23,6 @@ from ops import linear as linear_ops
 from ops.attention import paged_attention, write_kv
 
 
-# steps of more rows take SiLU(gate) * up from torch (kernels/cpu/fused_ops.cpp's exp is scalar)
-FUSED_SILU_MAX_ROWS = 2
-
 
 def unsupported_reason(model) -> str | None:
     """None when `model` can run this forward, else why not."""
@@ -108,16 +105,12 @@ class _TorchOps:
 
 
 class _KernelOps(_TorchOps):
-    """The same parts in kernels/cpu/fused_ops.cpp: one pass each; SiLU*up only for a few rows, where
-    torch's dispatches cost more than its vectorized exp saves over the kernel's scalar one."""
+    """The same parts in kernels/cpu/fused_ops.cpp, one pass each (SiLU*up in sixteen lanes: 1.9-2.3x
+    torch's at 1-512 rows of SmolLM2's 1536, within 8e-6)."""
 
     def __init__(self, act, kernel):
         super().__init__(act)
-        self.add_rms_norm, self.rotary = kernel.add_rms_norm, kernel.rotary
-        self._silu_mul = kernel.silu_mul
-
-    def silu_mul(self, gate_up):
-        return self._silu_mul(gate_up) if gate_up.shape[0] <= FUSED_SILU_MAX_ROWS else super().silu_mul(gate_up)
+        self.add_rms_norm, self.rotary, self.silu_mul = kernel.add_rms_norm, kernel.rotary, kernel.silu_mul
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,12 @@ def find_codes(weight: torch.Tensor) -> Codes | None:
         return None
     with torch.no_grad():
         blocks = weight.detach().reshape(n, k // BLOCK, BLOCK)
-        if not torch.isfinite(blocks).all():
-            return None
-        return _find_q4_1(blocks) or _find_q8_0(blocks)
+        # the first group of rows first: a weight of neither form (most float32 models') is turned down
+        # after a search over 16 rows, not over all of them
+        for find in (_find_q4_1, _find_q8_0):
+            if find(blocks[:GROUP]) is not None:
+                return find(blocks) if n > GROUP else find(blocks[:GROUP])
+        return None
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -87,6 +90,8 @@ def _search(blocks, estimate, expand, code_of):
 
 
 def _find_q4_1(blocks: torch.Tensor) -> Codes | None:
+    if not torch.isfinite(blocks).all():
+        return None
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
     if not torch.equal(low.half().float(), low):
         return None
@@ -103,6 +108,8 @@ def _find_q4_1(blocks: torch.Tensor) -> Codes | None:
 
 
 def _find_q8_0(blocks: torch.Tensor) -> Codes | None:
+    if not torch.isfinite(blocks).all():
+        return None
     found = _search(blocks, blocks.abs().amax(-1, keepdim=True) / 127, lambda scale, code: scale * code,
                     lambda scale: torch.where(scale > 0, blocks / scale, 0.0).round_().clamp_(-128, 127))
     if found is None:

@@ -10,6 +10,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w, double eps);
 std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
 torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins);
 torch::Tensor coded_expand(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place, x optional), then RMSNorm(residual) * w (float32)");
   m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
+  m.def("greedy_logsumexp", &greedy_logsumexp, "per row of logits [R, V]: max, its first index, log-sum-exp (float32)");
   m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32)");
   m.def("coded_linear", &coded_linear, "x [M, K] . W^T with W held as Q4_1 or Q8_0 codes (ops/quantized.py)");
   m.def("coded_expand", &coded_expand, "the float32 weights [N, K] that Q4_1 or Q8_0 codes stand for");

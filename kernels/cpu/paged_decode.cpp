@@ -198,39 +198,19 @@ void decode_one(const Shape& sh, const float* q, const float* kc, const float* v
 }
 
 #ifdef PAGEDSERVE_AVX512
-// e^x for x <= 0, as exp_nonpositive above in sixteen lanes (same reduction and polynomial)
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
-}
-
 // in place: s[p] = exp(s[p] - m) over n floats; returns the sum
 inline float exp_shifted_sum16(float* s, int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);
   __m512 total = _mm512_setzero_ps();
   int64_t p = 0;
   for (; p + 16 <= n; p += 16) {
-    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mv));
+    const __m512 e = pagedserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mv));
     _mm512_storeu_ps(s + p, e);
     total = _mm512_add_ps(total, e);
   }
   if (p < n) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - p)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + p), mv)));
+    const __m512 e = _mm512_maskz_mov_ps(tail, pagedserve::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + p), mv)));
     _mm512_mask_storeu_ps(s + p, tail, e);
     total = _mm512_add_ps(total, e);
   }

@@ -38,7 +38,8 @@ def test_codes_give_back_every_weight_bit_for_bit(kernel, kind):
     assert torch.equal(_bits(expanded), _bits(weight))
 
 
-@pytest.mark.parametrize("case", ["random floats", "one weight one ulp off", "a negative zero", "rows not 16s",
+@pytest.mark.parametrize("case", ["random floats", "one weight one ulp off", "one ulp off past the first rows",
+                                  "a negative zero", "rows not 16s",
                                   "inputs not 32s", "bfloat16", "a NaN"])
 @pytest.mark.parametrize("kind", FORMS)
 def test_weights_not_exactly_of_that_form_are_left_alone(case, kind):
@@ -47,6 +48,8 @@ def test_weights_not_exactly_of_that_form_are_left_alone(case, kind):
         weight = torch.randn(32, 64)
     elif case == "one weight one ulp off":
         weight[5, 40] = torch.nextafter(weight[5, 40], torch.tensor(10.0))
+    elif case == "one ulp off past the first rows":   # the first 16 rows are searched first
+        weight[29, 3] = torch.nextafter(weight[29, 3], torch.tensor(-10.0))
     elif case == "a negative zero":   # equal to 0.0 as a number, not as bits
         weight[0, 0:32] = 0.0
         weight[0, 7] = -0.0

@@ -218,8 +218,29 @@ def test_fused_layer_ops_match_torch_operations(kernel, rows):
     assert torch.equal(q_out, rotate(q)) and torch.equal(k_out, rotate(k))   # the same operations, unfused
 
     gate_up = torch.randn(rows, 2 * 24, generator=gen)
+    gate_up[0, :4] = torch.tensor([-100.0, -88.5, 90.0, 0.0])    # e^-gate past float's range, both ways
     torch.testing.assert_close(kernel.silu_mul(gate_up),
                                torch.nn.functional.silu(gate_up[:, :24]) * gate_up[:, 24:], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 49152])
+def test_greedy_logsumexp_is_torchs_max_first_index_and_logsumexp(kernel, vocab):
+    from data_plane.sampler import greedy_logsumexp
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen) * 8
+    logits[1, vocab // 2 + 1:] = float("-inf")                # masked tokens (structured output)
+    logits[2, vocab - 1] = logits[2, vocab // 3] = logits[2].max() + 1   # a tie: the first index wins
+    best, index, lse = kernel.greedy_logsumexp(logits)
+    want_best, want_index = logits.max(dim=-1)
+    assert torch.equal(best, want_best) and torch.equal(index, want_index)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+    # a row with a NaN, or with no finite logit, is left to torch's ops (NaN and -inf as torch has them)
+    logits[3, 0] = float("nan")
+    logits[4] = float("-inf")
+    got = greedy_logsumexp(logits)
+    want = (*logits.max(dim=-1), torch.logsumexp(logits, dim=-1))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) or torch.allclose(a, b, equal_nan=True)
 
 
 def test_fused_layer_ops_refuse_what_they_cannot_compute(kernel):
