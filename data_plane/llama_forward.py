@@ -23,7 +23,6 @@ from ops import linear as linear_ops
 from ops.attention import paged_attention, write_kv
 
 
-
 def unsupported_reason(model) -> str | None:
     """None when `model` can run this forward, else why not."""
     cfg = model.config
@@ -71,10 +70,12 @@ class _Layer:
         self.scaling = attn.scaling
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv = linear_ops.RoutedLinear(_stack([attn.q_proj, attn.k_proj, attn.v_proj]), None, kernel, packed, codes=codes)
-        self.o = linear_ops.RoutedLinear(attn.o_proj.weight, None, kernel, packed, codes=codes)
-        self.gate_up = linear_ops.RoutedLinear(_stack([mlp.gate_proj, mlp.up_proj]), None, kernel, packed, codes=codes)
-        self.down = linear_ops.RoutedLinear(mlp.down_proj.weight, None, kernel, packed, codes=codes)
+        def route(weight):
+            return linear_ops.RoutedLinear(weight, None, kernel, packed, codes=codes)
+        self.qkv = route(_stack([attn.q_proj, attn.k_proj, attn.v_proj]))
+        self.o = route(attn.o_proj.weight)
+        self.gate_up = route(_stack([mlp.gate_proj, mlp.up_proj]))
+        self.down = route(mlp.down_proj.weight)
 
 
 def _plain_silu(model) -> bool:
@@ -131,6 +132,10 @@ class LlamaForward:
         # the fused norm/rotary/SiLU kernels when built, else torch's operations
         use_kernel = kernel is not None and _plain_silu(model) and fused
         self.ops = _KernelOps(act, kernel) if use_kernel else _TorchOps(act)
+
+    def linears(self) -> list[linear_ops.RoutedLinear]:
+        """Every layer's routed products (the output layer is not among them)."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         m, ops = self.model, self.ops

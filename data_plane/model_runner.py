@@ -120,17 +120,16 @@ class ModelRunner:
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model,
                                           codes=config.gguf_codes)
         if self.lean:
-            routes["codes"] += sum(lin.codes is not None for layer in self.lean.layers
-                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            for route, count in linear_ops.route_counts(self.lean.linears()).items():
+                routes[route] += count
         self.graphs = None
         if config.decode_graphs == "eager" or capture:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
-                 "layers: %d read as GGUF codes, outside the forward %d with the few-row kernel, %d with prepacked GEMM",
-                 self.num_blocks,
-                 self.block_size, self.num_blocks * block_bytes / 2**20, device,
+                 "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
+                 self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
                  attention_ops.backend(device, self.dtype),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
                  routes["codes"], routes["kernel"], routes["packed"])

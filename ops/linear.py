@@ -90,12 +90,20 @@ def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and eligible(m.weight)]
     kernel = kernel_for([m.weight for m in layers if m.bias is None])
     packed = has_packed_gemm() if packed is None else packed
-    counts = {"codes": 0, "kernel": 0, "packed": 0}
+    taken = []
     for module in layers:
         routed = RoutedLinear(module.weight, module.bias, kernel, packed, skinny_max_rows, codes)
-        if not routed.routed:
-            continue
-        module.forward = routed   # instance attribute: hooks still run
+        if routed.routed:
+            module.forward = routed   # instance attribute: hooks still run
+            taken.append(routed)
+    return route_counts(taken)
+
+
+def route_counts(linears) -> dict[str, int]:
+    """How many of the RoutedLinear `linears` read codes, take the few-row kernel (those without
+    codes; they take the packed GEMM above its rows too) and have a packed GEMM weight."""
+    counts = {"codes": 0, "kernel": 0, "packed": 0}
+    for routed in linears:
         counts["codes"] += routed.codes is not None
         counts["kernel"] += routed.kernel is not None and routed.codes is None
         counts["packed"] += routed.packed is not None
