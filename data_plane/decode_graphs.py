@@ -66,8 +66,8 @@ class StaticBatch:
                                query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
                                max_query_len=1)
         # every row a decode row of its own sequence: the CPU kernel reads the static tables and lengths
-        self.ctx.kernel_rows = KernelRows(torch.arange(size, device=device).repeat_interleave(2).view(size, 2),
-                                          self.ctx.block_tables, self.ctx.seq_lens, [])
+        self.ctx.kernel_rows = KernelRows(torch.arange(size, device=device), self.ctx.block_tables,
+                                          self.ctx.seq_lens, [])
 
     def load(self, ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> None:
         """Copy a decode step of B <= size rows in; the rows past B become padding."""

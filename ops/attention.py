@@ -133,9 +133,9 @@ KERNEL_MAX_QUERY = 96
 @dataclass
 class KernelRows:
     """The CPU kernel's work for one step, made once for every layer: each query token it takes is a
-    row with a context of its own (row r attends to the first lens[r] positions of tables[r]), so
-    prompt rows and decode rows go through the same one-token kernel."""
-    rows: torch.Tensor      # int64 [R, 2]: (query token, r)
+    row with a context of its own (row r is query token tokens[r] and attends to the first lens[r]
+    positions of tables[r]), so prompt rows and decode rows go through the same one-token kernel."""
+    tokens: torch.Tensor    # int64 [R]: the query token of row r
     tables: torch.Tensor    # int32 [R, max_blocks]: the block table of row r's sequence
     lens: torch.Tensor      # int32 [R]: the positions row r attends to, its own included
     rest: list[int]         # sequences whose query runs are longer: the reference's
@@ -151,8 +151,7 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     seq = seq_of_token.index_select(0, token)
     # token t of sequence s sits at position seq_lens[s] - (end of s - t): it sees that many + 1
     lens = seq_lens.long().index_select(0, seq) - starts[1:].index_select(0, seq) + token + 1
-    rows = torch.stack([token, torch.arange(token.shape[0], device=token.device)], dim=1).contiguous()
-    return KernelRows(rows, block_tables.to(torch.int32).index_select(0, seq).contiguous(),
+    return KernelRows(token.contiguous(), block_tables.to(torch.int32).index_select(0, seq).contiguous(),
                       lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist())
 
 
@@ -162,10 +161,10 @@ def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens
     runs through the reference's causal SDPA over the gathered context."""
     out = torch.empty_like(query)
     work = kernel_rows(query_start_loc, seq_lens, block_tables) if work is None else work
-    if work.rows.numel():
+    if work.tokens.numel():
         # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(), work.tables, work.lens,
-                            work.rows, float(scale), int(sliding_window or 0), float(softcap or 0.0))
+                            work.tokens, float(scale), int(sliding_window or 0), float(softcap or 0.0))
     if work.rest:
         start_list, seq_len_list = query_start_loc.tolist(), seq_lens.tolist()
         for s in work.rest:

@@ -61,8 +61,9 @@ def find_codes(weight: torch.Tensor) -> Codes | None:
         # the first group of rows first: a weight of neither form (most float32 models') is turned down
         # after a search over 16 rows, not over all of them
         for find in (_find_q4_1, _find_q8_0):
-            if find(blocks[:GROUP]) is not None:
-                return find(blocks) if n > GROUP else find(blocks[:GROUP])
+            first = find(blocks[:GROUP])
+            if first is not None:
+                return first if n == GROUP else find(blocks)
         return None
 
 

@@ -4,7 +4,7 @@
 #include "simd.h"
 
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale,
+                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor tokens, double scale,
                   int64_t window, double softcap);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w, double eps);

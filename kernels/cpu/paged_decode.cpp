@@ -11,8 +11,9 @@
 // c * tanh(s / c) before the softmax (Gemma 2). 0 turns either off.
 //
 // Layouts (float32): query/out [tokens, heads, head_dim] with head_dim contiguous;
-// k_cache/v_cache [blocks, block_size, kv_heads, head_dim] contiguous; block_tables int32
-// [seqs, max_blocks]; seq_lens int32 [seqs]; rows int64 [R, 2] = (token row, sequence).
+// k_cache/v_cache [blocks, block_size, kv_heads, head_dim] contiguous; per row r of the call:
+// tokens int64 [R] (its query token), block_tables int32 [R, max_blocks] and seq_lens int32 [R]
+// (the positions it attends to, its own included).
 //
 // With AVX-512 and head_dim 32, 64, 80, 96 or 128, an item keeps its query heads and their output
 // sums in sixteen-lane registers while it walks the context (decode_avx512: per position, each key
@@ -59,35 +60,13 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
     _mm256_storeu_ps(y + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
 }
 
-// e^x for x <= 0 (scores minus their maximum): x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
-// polynomial (Taylor coefficients; relative error ~2e-7), 2^n put into the exponent bits.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln2 split in a part exact in float and a correction, so that r keeps its low bits
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
 // in place: s[p] = exp(s[p] - m); returns the sum
 inline float exp_shifted_sum(float* s, int64_t n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
   int64_t p = 0;
   for (; p + 8 <= n; p += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), mv));
+    const __m256 e = pagedserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), mv));
     _mm256_storeu_ps(s + p, e);
     total = _mm256_add_ps(total, e);
   }
@@ -322,7 +301,7 @@ bool decode_avx512(const Shape& sh, const float* q, const float* kc, const float
 }  // namespace
 
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor rows, double scale,
+                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor tokens, double scale,
                   int64_t window, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
@@ -331,8 +310,9 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
               "paged_decode: caches must be contiguous and alike");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 2,
-              "rows: int64 [R, 2]");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.dim() == 1, "tokens: int64 [R]");
+  TORCH_CHECK(seq_lens.size(0) == tokens.size(0) && block_tables.size(0) == tokens.size(0),
+              "paged_decode: one block table and one length per row");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [tokens, heads, head_dim]");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "query/cache shapes");
@@ -352,20 +332,18 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
   sh.scale = static_cast<float>(scale);
   sh.window = window;
   sh.softcap = static_cast<float>(softcap);
-  const int64_t num_rows = rows.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
+  const int64_t num_rows = tokens.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* toks = tokens.data_ptr<int64_t>();
   // validate every index before any thread reads through it
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t tok = row[2 * r], s = row[2 * r + 1];
-    TORCH_CHECK(tok >= 0 && tok < num_tokens, "paged_decode: token row ", tok, " out of range");
-    TORCH_CHECK(s >= 0 && s < seq_lens.size(0) && s < block_tables.size(0), "paged_decode: sequence ", s, " out of range");
-    const int64_t len = lens[s];
+    TORCH_CHECK(toks[r] >= 0 && toks[r] < num_tokens, "paged_decode: token row ", toks[r], " out of range");
+    const int64_t len = lens[r];
     const int64_t used = (len + sh.block_size - 1) / sh.block_size;
-    TORCH_CHECK(len >= 1 && used <= sh.max_blocks, "paged_decode: sequence ", s, " has bad length ", len);
+    TORCH_CHECK(len >= 1 && used <= sh.max_blocks, "paged_decode: row ", r, " has bad length ", len);
     for (int64_t b = 0; b < used; ++b) {
-      const int32_t blk = tables[s * sh.max_blocks + b];
+      const int32_t blk = tables[r * sh.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");
     }
   }
@@ -381,13 +359,13 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
     std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
-      const int64_t tok = row[2 * r], s = row[2 * r + 1];
-      const int32_t* table = tables + s * sh.max_blocks;
+      const int64_t tok = toks[r], len = lens[r];
+      const int32_t* table = tables + r * sh.max_blocks;
 #ifdef PAGEDSERVE_AVX512
-      if (decode_avx512(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores)) continue;
+      if (decode_avx512(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores)) continue;
 #endif
-      if (vector) decode_one<true>(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores, acc);
-      else decode_one<false>(sh, q, kc, vc, o, table, lens[s], tok, h0, h0 + heads_per_item, scores, acc);
+      if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
+      else decode_one<false>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
     }
   });
 }

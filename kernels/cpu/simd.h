@@ -1,6 +1,18 @@
-// What the CPU kernels share: whether this build has AVX2+FMA (and AVX-512), a horizontal sum and a
-// sixteen-lane exp.
+// What the CPU kernels share: whether this build has AVX2+FMA (and AVX-512), a horizontal sum, and
+// e^x in eight and in sixteen lanes.
 #pragma once
+
+namespace pagedserve {
+
+// e^x for x in [kExpLow, kExpHigh] (clamped to it outside: 0 below, e^kExpHigh above): x = n ln2 + r,
+// |r| <= ln2/2, e^r by a degree-6 polynomial (Taylor coefficients, highest first; relative error
+// ~2e-7), 2^n put into the exponent bits. ln2 is split in a part exact in float and a correction, so
+// that r keeps its low bits. Used by the attention's softmax, SiLU and the sampler's log-sum-exp.
+constexpr float kExpLow = -87.3f, kExpHigh = 88.0f;
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
+}  // namespace pagedserve
 
 #if defined(__AVX512F__)
 #define PAGEDSERVE_AVX512 1
@@ -8,25 +20,16 @@
 
 namespace pagedserve {
 
-// e^x in sixteen lanes for x in [-87.3, 88] (clamped to it outside: 0 below, e^88 above): x = n ln2 + r,
-// |r| <= ln2/2, e^r by a degree-6 polynomial (Taylor coefficients; relative error ~2e-7), 2^n put into
-// the exponent bits. Shared by the attention's softmax, SiLU and the sampler's log-sum-exp.
 inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __m512 lo = _mm512_set1_ps(kExpLow);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // ln2 split in a part exact in float and a correction, so that r keeps its low bits
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
 }
@@ -46,6 +49,20 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// exp16's arithmetic in eight lanes
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(kExpLow);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(kExpHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
 }  // namespace pagedserve

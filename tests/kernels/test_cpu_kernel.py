@@ -56,7 +56,7 @@ def test_mixed_batch_short_prompt_runs_in_kernel_long_ones_in_reference(kernel, 
                        dtype=torch.float32, device="cpu", seed=7)
     work = attention.kernel_rows(batch.query_start_loc, batch.seq_lens, batch.block_tables)
     assert work.rest == [5, 6]
-    assert work.rows.shape[0] == sum(q for q in q_lens if q <= limit)
+    assert work.tokens.shape[0] == sum(q for q in q_lens if q <= limit)
     assert work.lens[:4].tolist() == [16, 40, 1, 2]        # prompt tokens see their own causal context
     extended = []
     real = attention.reference.extend_one
