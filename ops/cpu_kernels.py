@@ -24,7 +24,7 @@ SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decod
 def _sources_digest() -> str:
     import hashlib
     digest = hashlib.sha256(_FOLDER.encode())   # torch's builder also keys on the include path
-    for path in sorted(SOURCES + [os.path.join(_FOLDER, "simd.h")]):
+    for path in sorted(SOURCES + [os.path.join(_FOLDER, h) for h in ("simd.h", "aten.h")]):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:10]
@@ -93,7 +93,7 @@ def _remove_stale_lock() -> None:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("building the CPU kernels (first time: about a minute)...", flush=True)
+    print("building the CPU kernels (first time only)...", flush=True)
     module = load()
     if module is None:
         print(f"not built: {failure() or 'disabled by PAGEDSERVE_CPU_KERNELS=0'}", file=sys.stderr)

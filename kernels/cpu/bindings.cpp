@@ -1,19 +1,20 @@
 // The Python module of the CPU kernels (ops/cpu_kernels.py builds and loads it).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>   // pybind11 with the casters for tensors, not all of <torch/extension.h>
 
 #include "simd.h"
 
-void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor tokens, double scale,
+void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
                   int64_t window, double softcap);
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w);
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w, double eps);
-std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits);
-torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins);
-torch::Tensor coded_expand(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins);
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+at::Tensor skinny_linear(at::Tensor x, at::Tensor w);
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
+std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_mul(at::Tensor gate_up);
+std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
+at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
+at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {
 #ifdef PAGEDSERVE_AVX2

@@ -15,8 +15,7 @@
 // laid out input by input (48 floats per input), then runs every 8-row tile of x over the buffer with
 // 8 x 3 sixteen-lane accumulators: per input, 3 loads of weights and 8 broadcasts of x feed 24 FMAs.
 // Each output is the FMA chain over k = 0..K-1 in order, whatever the number of rows.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -173,14 +172,14 @@ void panel_product(const float* x, const float* buf, float* y, int64_t M, int64_
 }
 
 // checks the codes' shapes against x's K and returns the weights' view (Q4_1 when mins is given)
-Weights coded_weights(const torch::Tensor& codes, const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                       int64_t K) {
   const bool q4 = mins.has_value();
   TORCH_CHECK(K % kBlock == 0, "coded_linear: K a multiple of 32");
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kGroup && codes.is_contiguous() &&
               codes.scalar_type() == (q4 ? at::kByte : at::kChar) && codes.size(1) == (q4 ? K / 2 : K),
               q4 ? "coded_linear: Q4_1 codes [N / 16, K / 2, 16] uint8" : "coded_linear: Q8_0 codes [N / 16, K, 16] int8");
-  std::vector<torch::Tensor> floats{scales};
+  std::vector<at::Tensor> floats{scales};
   if (q4) floats.push_back(*mins);
   for (const auto& t : floats)
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == codes.size(0) &&
@@ -190,11 +189,11 @@ Weights coded_weights(const torch::Tensor& codes, const torch::Tensor& scales, c
 
 }  // namespace
 
-torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
+at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "coded_linear: x [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * kGroup;
   const Weights w = coded_weights(codes, scales, mins, K);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
@@ -210,10 +209,10 @@ torch::Tensor coded_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor s
 }
 
 // the float32 weights [N, K] the codes stand for (for checks; the kernel never builds them)
-torch::Tensor coded_expand(torch::Tensor codes, torch::Tensor scales, c10::optional<torch::Tensor> mins) {
+at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
   const int64_t groups = codes.size(0), K = mins.has_value() ? codes.size(1) * 2 : codes.size(1);
   const Weights w = coded_weights(codes, scales, mins, K);
-  auto out = torch::empty({groups * kGroup, K}, scales.options());
+  auto out = at::empty({groups * kGroup, K}, scales.options());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     float* buf = panel_buffer(K);

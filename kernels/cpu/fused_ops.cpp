@@ -7,8 +7,7 @@
 // gate / (1 + exp(-gate)) * up. Only the sum of squares is accumulated in another order (and
 // expf may differ from torch's vectorized exp in the last bit), so the results agree with torch's to
 // float32 rounding. Products and sums are not contracted into FMAs, as torch's separate ops are not.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "simd.h"
 
@@ -41,7 +40,7 @@ void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) 
 }  // namespace
 
 // residual += x (in place), then out = RMSNorm(residual) * w; with x undefined, only the norm
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> x, torch::Tensor w,
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w,
                                   double eps) {
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.is_contiguous(),
               "add_rms_norm: residual must be contiguous float32 [rows, hidden]");
@@ -56,7 +55,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
     xp = x->data_ptr<float>();
     x_stride = x->stride(0);
   }
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   float* rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -74,7 +73,7 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
 
 // q [T, H, D] and k [T, Hk, D] rows of a [T, *] tensor (any row stride, unit last stride); cos, sin
 // [T, D]. Returns contiguous rotated copies: x * cos + cat(-x[D/2:], x[:D/2]) * sin.
-std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && q.dim() == 3 && k.dim() == 3,
               "rotary: q and k must be float32 [tokens, heads, dim]");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
@@ -84,11 +83,11 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
               "rotary: cos and sin must be contiguous float32 [tokens, dim]");
   const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
   TORCH_CHECK(k.size(0) == tokens && k.size(2) == d && d % 2 == 0, "rotary: q and k disagree");
-  auto qo = torch::empty({tokens, q.size(1), d}, q.options());
-  auto ko = torch::empty({tokens, k.size(1), d}, k.options());
+  auto qo = at::empty({tokens, q.size(1), d}, q.options());
+  auto ko = at::empty({tokens, k.size(1), d}, k.options());
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  auto one = [&](const torch::Tensor& src, torch::Tensor& dst, int64_t t) {
+  auto one = [&](const at::Tensor& src, at::Tensor& dst, int64_t t) {
     const float* c = cp + t * d;
     const float* s = sp + t * d;
     const int64_t heads = src.size(1);
@@ -120,11 +119,11 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
 
 // gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up, [T, I]: gate / (1 + e^-gate) * up, as torch
 // computes it; with AVX-512 in sixteen lanes (simd.h's exp16, within ~2e-7 of expf), else expf.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous() &&
               gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be contiguous float32 [rows, 2 * inner]");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inner}, gate_up.options());
+  auto out = at::empty({rows, inner}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // split by elements, not rows, so that one row of a decode step uses every thread too
@@ -153,14 +152,14 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // logits [R, V] -> per row (max, first index of the max, log-sum-exp): torch's logits.max(-1) and
 // logsumexp(-1) in two passes over each row, without the [R, V] temporaries torch writes. A row with a
 // NaN, or whose max is not finite, gets a NaN log-sum-exp: the caller then uses torch's own ops.
-std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits) {
+std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
               "greedy_logsumexp: contiguous float32 [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(vocab > 0, "greedy_logsumexp: empty rows");
-  auto best = torch::empty({rows}, logits.options());
-  auto index = torch::empty({rows}, logits.options().dtype(at::kLong));
-  auto lse = torch::empty({rows}, logits.options());
+  auto best = at::empty({rows}, logits.options());
+  auto index = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto lse = at::empty({rows}, logits.options());
   const float* lp = logits.data_ptr<float>();
   float* bp = best.data_ptr<float>();
   int64_t* ip = index.data_ptr<int64_t>();
@@ -216,7 +215,7 @@ std::vector<torch::Tensor> greedy_logsumexp(torch::Tensor logits) {
 
 // k, v [T, Hk, D] (any token stride, heads packed) into the flat caches [slots, Hk, D] at slot_mapping[t];
 // slot -1: skipped. One call per layer instead of torch's mask, select and two index_copy_ calls.
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat, "write_kv: float32 only");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&

@@ -26,8 +26,7 @@
 // 21.9-22.1 against 26.1-27.4 ms without. Otherwise, with AVX2+FMA (and head_dim a multiple of 8)
 // the dot products, exponentials and value sums are vectorized by hand in eight lanes; without,
 // plain loops do the same arithmetic.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -300,8 +299,8 @@ bool decode_avx512(const Shape& sh, const float* q, const float* kc, const float
 
 }  // namespace
 
-void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor tokens, double scale,
+void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
                   int64_t window, double softcap) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,

@@ -9,8 +9,7 @@
 // (bench/cpu_kernels.py prints kernel against F.linear): 1-2 rows even (~20 ms, the memory's ~25 GB/s), 4-16
 // rows 1.2-1.4x faster (8 rows: 33 against 45 ms), 24-32 rows even. The AVX2 tile took 28-48 ms
 // at 1-16 rows.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 
@@ -133,12 +132,12 @@ inline void dot_rows16(const float* x, const float* w, float* y, int64_t m0, int
 
 }  // namespace
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor skinny_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "skinny_linear: float32 only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "skinny_linear: contiguous inputs");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
