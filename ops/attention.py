@@ -1,5 +1,5 @@
 """Paged attention ops: shape checks, then dispatch: Triton on CUDA; on CPU the C++ decode kernel
-(kernels/cpu, float32) for one-token rows and for the rows of prompt runs of up to
+(kernels/cpu, float32 or bfloat16) for one-token rows and for the rows of prompt runs of up to
 KERNEL_MAX_QUERY tokens (each query token as a row of its own, see `KernelRows`), the torch
 reference (causal SDPA over the gathered context) for longer runs.
 
@@ -49,12 +49,15 @@ def backend(device: torch.device, dtype: torch.dtype) -> str:
     elif not cpu_kernels.enabled():
         why = "disabled by PAGEDSERVE_CPU_KERNELS=0"
     else:
-        why = cpu_kernels.failure() or f"the CPU kernel is float32 only, not {dtype}"
+        why = cpu_kernels.failure() or f"the CPU kernel is float32 and bfloat16 only, not {dtype}"
     return f"torch reference ({why})"
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _cpu_kernel(device: torch.device, dtype: torch.dtype):
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         return None
     return cpu_kernels.load()
 

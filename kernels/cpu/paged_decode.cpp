@@ -10,7 +10,8 @@
 // included, as transformers' masks do); a soft-cap c (> 0) maps each scaled score s to
 // c * tanh(s / c) before the softmax (Gemma 2). 0 turns either off.
 //
-// Layouts (float32): query/out [tokens, heads, head_dim] with head_dim contiguous;
+// Layouts (float32, or bfloat16 for query, out and caches alike: the arithmetic stays float32 and
+// the output is rounded once): query/out [tokens, heads, head_dim] with head_dim contiguous;
 // k_cache/v_cache [blocks, block_size, kv_heads, head_dim] contiguous; per row r of the call:
 // tokens int64 [R] (its query token), block_tables int32 [R, max_blocks] and seq_lens int32 [R]
 // (the positions it attends to, its own included).
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -116,22 +118,31 @@ inline float exp_shifted_sum_any(float* s, int64_t n, float m) {
   return exp_shifted_sum_scalar(s, n, m);
 }
 
+using pagedserve::bf16;
+
+// a row of n values as float32: the row itself, or its conversion into `buf`
+inline const float* as_float(const float* row, float*, int64_t) { return row; }
+inline const float* as_float(const bf16* row, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = pagedserve::to_float(row[i]);
+  return buf;
+}
+
 // fn(p - begin, row) for every position begin <= p < len of a sequence, `row` its slot's row (all KV
 // heads) in `cache`; blocks wholly before `begin` are not touched
-template <typename Fn>
-inline void walk_context(const float* cache, const int32_t* table, int64_t begin, int64_t len,
+template <typename T, typename Fn>
+inline void walk_context(const T* cache, const int32_t* table, int64_t begin, int64_t len,
                          int64_t block_size, int64_t slot_stride, Fn fn, int64_t prefetch_offset = -1,
-                         int64_t prefetch_floats = 0) {
+                         int64_t prefetch_values = 0) {
   for (int64_t p0 = begin / block_size * block_size; p0 < len; p0 += block_size) {
-    const float* block = cache + static_cast<int64_t>(table[p0 / block_size]) * block_size * slot_stride;
+    const T* block = cache + static_cast<int64_t>(table[p0 / block_size]) * block_size * slot_stride;
     const int64_t n = std::min(block_size, len - p0);
     // the next block sits anywhere in the pool, where the hardware's prefetcher cannot guess it: ask
     // for the part of its rows this walk reads while this block is worked on
     if (prefetch_offset >= 0 && p0 + block_size < len) {
-      const float* next = cache + static_cast<int64_t>(table[p0 / block_size + 1]) * block_size * slot_stride;
+      const T* next = cache + static_cast<int64_t>(table[p0 / block_size + 1]) * block_size * slot_stride;
       const int64_t rows = std::min(block_size, len - p0 - block_size);
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t f = 0; f < prefetch_floats; f += 16)
+        for (int64_t f = 0; f < prefetch_values; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
           __builtin_prefetch(next + i * slot_stride + prefetch_offset + f, 0, 3);
     }
     for (int64_t i = std::max<int64_t>(0, begin - p0); i < n; ++i) fn(p0 + i - begin, block + i * slot_stride);
@@ -149,8 +160,8 @@ struct Shape {
 // One item: token row `tok`, KV heads [h0, h1). `scores` and `acc` are the calling thread's
 // scratch buffers. A position's K (or V) row holds every KV head side by side, so walking the
 // heads of a position together reads the block front to back.
-template <bool kVector>
-void decode_one(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+template <bool kVector, typename T>
+void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                 const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t bs = sh.block_size, D = sh.head_dim, G = sh.group;
@@ -160,12 +171,18 @@ void decode_one(const Shape& sh, const float* q, const float* kc, const float* v
   const int64_t len = full_len - begin;       // positions attended, indexed from `begin`
   scores.resize(nq * len);
   acc.assign(nq * D, 0.f);
-  const float* qh = q + tok * sh.q_tok + h0 * G * sh.q_head;
+  const T* qh = q + tok * sh.q_tok + h0 * G * sh.q_head;
+  // the item's query heads as float32 (copied only for bfloat16), and a row buffer for K/V rows
+  std::vector<float> qf(std::is_same<T, float>::value ? 0 : nq * D), row_f(D);
+  std::vector<const float*> qj(nq);
+  for (int64_t j = 0; j < nq; ++j) qj[j] = as_float(qh + j * sh.q_head, qf.data() + j * D, D);
   // scores[j * len + p] = scale * <q_j, k_p>, for the item's query heads j
-  walk_context(kc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
-    for (int64_t h = h0; h < h1; ++h)
+  walk_context(kc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* k = as_float(row + h * D, row_f.data(), D);
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
-        scores[j * len + p] = sh.scale * dot_any<kVector>(qh + j * sh.q_head, row + h * D, D);
+        scores[j * len + p] = sh.scale * dot_any<kVector>(qj[j], k, D);
+    }
   });
   if (sh.softcap > 0.f) {
     const float inv_cap = 1.f / sh.softcap;
@@ -176,15 +193,17 @@ void decode_one(const Shape& sh, const float* q, const float* kc, const float* v
     float* sj = scores.data() + j * len;
     inv_sum[j] = 1.f / exp_shifted_sum_any<kVector>(sj, len, *std::max_element(sj, sj + len));
   }
-  walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const float* row) {
-    for (int64_t h = h0; h < h1; ++h)
+  walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* v = as_float(row + h * D, row_f.data(), D);
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
-        axpy_any<kVector>(scores[j * len + p], row + h * D, acc.data() + j * D, D);
+        axpy_any<kVector>(scores[j * len + p], v, acc.data() + j * D, D);
+    }
   });
   for (int64_t j = 0; j < nq; ++j) {
-    float* oj = o + tok * sh.o_tok + (h0 * G + j) * sh.o_head;
+    T* oj = o + tok * sh.o_tok + (h0 * G + j) * sh.o_head;
     const float* aj = acc.data() + j * D;
-    for (int64_t d = 0; d < D; ++d) oj[d] = aj[d] * inv_sum[j];
+    for (int64_t d = 0; d < D; ++d) oj[d] = pagedserve::from_float<T>(aj[d] * inv_sum[j]);
   }
 }
 
@@ -212,21 +231,21 @@ inline float exp_shifted_sum16(float* s, int64_t n, float m) {
 // output accumulators stay in registers while the item walks the context. Per position: the key
 // row is loaded once for the C heads (NV loads, C * NV FMAs, C lane sums), the value row once
 // (NV loads, C * NV FMAs).
-template <int NV, int C>
-void decode_heads16(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+template <int NV, int C, typename T>
+void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                     const int32_t* table, int64_t begin, int64_t full_len, int64_t tok, int64_t h, int64_t j0,
                     float* scores) {
   const int64_t len = full_len - begin;
   __m512 qv[C][NV];
   for (int c = 0; c < C; ++c) {
-    const float* qh = q + tok * sh.q_tok + (h * sh.group + j0 + c) * sh.q_head;
-    for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(_mm512_loadu_ps(qh + 16 * v), _mm512_set1_ps(sh.scale));
+    const T* qh = q + tok * sh.q_tok + (h * sh.group + j0 + c) * sh.q_head;
+    for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(pagedserve::load16(qh + 16 * v), _mm512_set1_ps(sh.scale));
   }
   // scores[c * len + p] = <scale * q_c, k_p>
-  walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const float* row) {
-    const float* k = row + h * sh.head_dim;
+  walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+    const T* k = row + h * sh.head_dim;
     __m512 kv[NV];
-    for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + 16 * v);
+    for (int v = 0; v < NV; ++v) kv[v] = pagedserve::load16(k + 16 * v);
     for (int c = 0; c < C; ++c) {
       __m512 d = _mm512_mul_ps(qv[c][0], kv[0]);
       for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[c][v], kv[v], d);
@@ -245,24 +264,24 @@ void decode_heads16(const Shape& sh, const float* q, const float* kc, const floa
   __m512 acc[C][NV];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
-  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const float* row) {
-    const float* val = row + h * sh.head_dim;
+  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+    const T* val = row + h * sh.head_dim;
     __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = _mm512_loadu_ps(val + 16 * v);
+    for (int v = 0; v < NV; ++v) vv[v] = pagedserve::load16(val + 16 * v);
     for (int c = 0; c < C; ++c) {
       const __m512 w = _mm512_set1_ps(scores[c * len + p]);
       for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ps(w, vv[v], acc[c][v]);
     }
   }, h * sh.head_dim, sh.head_dim);
   for (int c = 0; c < C; ++c) {
-    float* oc = o + tok * sh.o_tok + (h * sh.group + j0 + c) * sh.o_head;
+    T* oc = o + tok * sh.o_tok + (h * sh.group + j0 + c) * sh.o_head;
     const __m512 inv = _mm512_set1_ps(inv_sum[c]);
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(oc + 16 * v, _mm512_mul_ps(acc[c][v], inv));
+    for (int v = 0; v < NV; ++v) pagedserve::store16(oc + 16 * v, _mm512_mul_ps(acc[c][v], inv));
   }
 }
 
-template <int NV>
-void decode_item16(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+template <int NV, typename T>
+void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                    const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
                    std::vector<float>& scores) {
   constexpr int kChunk = NV <= 4 ? 4 : 2;   // query heads per pass: C * NV accumulators in registers
@@ -273,38 +292,63 @@ void decode_item16(const Shape& sh, const float* q, const float* kc, const float
       const int64_t c = std::min<int64_t>(kChunk, sh.group - j);
       float* sc = scores.data();
       switch (c) {
-        case 1: decode_heads16<NV, 1>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
-        case 2: decode_heads16<NV, 2>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
-        case 3: decode_heads16<NV, 3>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
-        default: decode_heads16<NV, kChunk>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
       }
       j += c;
     }
 }
 
 // the AVX-512 path for head_dim 16 NV (NV = 1..8); false: not handled here
-bool decode_avx512(const Shape& sh, const float* q, const float* kc, const float* vc, float* o,
+template <typename T>
+bool decode_avx512(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                    const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
                    std::vector<float>& scores) {
   switch (sh.head_dim) {
-    case 32: decode_item16<2>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 64: decode_item16<4>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 80: decode_item16<5>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 96: decode_item16<6>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 128: decode_item16<8>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
     default: return false;
   }
 }
 #endif
+
+// every row's items over torch's thread pool
+template <typename T>
+void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const int32_t* tables,
+              const int32_t* lens, const int64_t* toks, int64_t num_rows) {
+  const bool vector = sh.head_dim % 8 == 0;
+  // whole rows per item when there are enough rows to keep every thread busy; else one KV head
+  const int64_t heads_per_item = num_rows >= 4 * at::get_num_threads() ? sh.kv_heads : 1;
+  const int64_t items_per_row = sh.kv_heads / heads_per_item;
+  at::parallel_for(0, num_rows * items_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
+      const int64_t tok = toks[r], len = lens[r];
+      const int32_t* table = tables + r * sh.max_blocks;
+#ifdef PAGEDSERVE_AVX512
+      if (decode_avx512(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores)) continue;
+#endif
+      if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
+      else decode_one<false>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
+    }
+  });
+}
 
 }  // namespace
 
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
                   int64_t window, double softcap) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode: float32 only");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "paged_decode: float32 or bfloat16, the same for query, out and caches");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "paged_decode: caches must be contiguous and alike");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "block_tables: int32");
@@ -346,25 +390,12 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");
     }
   }
-  const float* q = query.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const bool vector = sh.head_dim % 8 == 0;
-  // whole rows per item when there are enough rows to keep every thread busy; else one KV head
-  const int64_t heads_per_item = num_rows >= 4 * at::get_num_threads() ? sh.kv_heads : 1;
-  const int64_t items_per_row = sh.kv_heads / heads_per_item;
-  at::parallel_for(0, num_rows * items_per_row, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
-      const int64_t tok = toks[r], len = lens[r];
-      const int32_t* table = tables + r * sh.max_blocks;
-#ifdef PAGEDSERVE_AVX512
-      if (decode_avx512(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores)) continue;
-#endif
-      if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
-      else decode_one<false>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
-    }
-  });
+  if (dtype == at::kFloat)
+    run_rows(sh, query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+             tables, lens, toks, num_rows);
+  else
+    run_rows(sh, reinterpret_cast<const bf16*>(query.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>()),
+             reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()), tables, lens, toks, num_rows);
 }

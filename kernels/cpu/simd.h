@@ -1,6 +1,9 @@
-// What the CPU kernels share: whether this build has AVX2+FMA (and AVX-512), a horizontal sum, and
-// e^x in eight and in sixteen lanes.
+// What the CPU kernels share: whether this build has AVX2+FMA (and AVX-512), a horizontal sum,
+// e^x in eight and in sixteen lanes, and bfloat16 <-> float32 conversions.
 #pragma once
+
+#include <cstdint>
+#include <cstring>
 
 namespace pagedserve {
 
@@ -11,6 +14,31 @@ namespace pagedserve {
 constexpr float kExpLow = -87.3f, kExpHigh = 88.0f;
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr float kExpPoly[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
+// bfloat16 is held as its 16 bits (the high half of a float32). Rounding to it is to nearest, ties to
+// even, and a NaN stays a quiet NaN, as torch's conversion does, so a kernel's bfloat16 output is
+// the one torch would write for the same float32 value.
+using bf16 = uint16_t;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename T> inline T from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline bf16 from_float<bf16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (x != x) return 0x7FC0;
+  return static_cast<bf16>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// x rounded to T and widened back: what a torch operation writing T hands to the next one
+template <typename T> inline float rounded(float x) { return to_float(from_float<T>(x)); }
 
 }  // namespace pagedserve
 
@@ -32,6 +60,36 @@ inline __m512 exp16(__m512 x) {
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+
+// sixteen values of a float32 or bfloat16 row as float32, and back (rounded as from_float does)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// sixteen values rounded to T and widened back, as `rounded` does one
+template <typename T> inline __m512 rounded16(__m512 v);
+template <> inline __m512 rounded16<float>(__m512 v) { return v; }
+template <> inline __m512 rounded16<bf16>(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+inline void store16(bf16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  const __m256bh packed = _mm512_cvtneps_pbh(v);
+  std::memcpy(p, &packed, 32);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+#endif
 }
 
 }  // namespace pagedserve
