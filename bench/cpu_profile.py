@@ -3,7 +3,7 @@
     python bench/cpu_profile.py                  # decode 64 sequences at a context of 128
     python bench/cpu_profile.py --batch 8 --steps 5
 
-The runner runs in this process on SmolLM2-135M-Instruct (float32), without ZeroMQ or the control
+The runner runs in this process on SmolLM2-135M-Instruct (float32, or --dtype bfloat16), without ZeroMQ or the control
 plane (bench/overhead.py measures those). Prints the step time split into input preparation,
 forward and lm_head + sampling, then the operators by self CPU time, grouped into matmul,
 attention, elementwise/norm and the rest.
@@ -45,14 +45,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
     print(C.machine_line(args.num_threads))
     print(C.cpu_check(args.num_threads))
-    model = C.load_hf_model(args.num_threads, device="cpu")
+    model = C.load_hf_model(args.num_threads, device="cpu").to(getattr(torch, args.dtype))
     ns = argparse.Namespace(batches=[args.batch], context=args.context, prefill=0, steps=args.steps, warmup=2)
-    runner = RunnerSteps(model, ns)
+    runner = RunnerSteps(model, ns, dtype=args.dtype)
     step = runner.steps(random.Random(0), f"decode {args.batch}", args.batch)
     for _ in range(2):
         step()

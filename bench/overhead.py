@@ -204,7 +204,7 @@ def bare_steps(model, args, rng, label: str, num_seqs: int):
 class RunnerSteps:
     """The data plane's ModelRunner in this process, one timed step at a time, split into parts."""
 
-    def __init__(self, model, args, device: str = "cpu"):
+    def __init__(self, model, args, device: str = "cpu", dtype: str = "float32"):
         import torch
         from data_plane import attention
         from data_plane.model_runner import ModelRunner
@@ -219,7 +219,7 @@ class RunnerSteps:
         parser = argparse.ArgumentParser()
         add_model_args(parser)
         add_data_plane_args(parser)
-        ns = parser.parse_args(["--block-size", str(self.bs), "--kv-cache-blocks", str(num_blocks)])
+        ns = parser.parse_args(["--block-size", str(self.bs), "--kv-cache-blocks", str(num_blocks), "--dtype", dtype])
         if hasattr(ns, "swap_space_gib"):
             ns.swap_space_gib = 0.0   # no swapping here: no CPU pool to allocate
         self.runner = ModelRunner(model, data_plane_config(ns, "inproc://bench"), torch.device(device))

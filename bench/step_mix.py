@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     import torch
 
@@ -45,9 +46,11 @@ def main(argv=None) -> int:
         C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload, (C.PROMPT_RANGE[0], 256),
                      (C.OUTPUT_RANGE[0], 512))
     print(C.machine_line(args.num_threads))
-    print(f"trace: {args.workload}, {C.describe_trace(trace)}")
+    print(f"trace: {args.workload}, {C.describe_trace(trace)}, {args.dtype}")
     model = C.load_hf_model(args.num_threads, attn_implementation=attention.register(), device="cpu")
-    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://mix"), torch.device("cpu"))
+    model = model.to(getattr(torch, args.dtype))   # the GGUF's values rounded once, as the loader's dtype does
+    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://mix", dtype=args.dtype),
+                         torch.device("cpu"))
     cp = ControlPlaneConfig   # the class attributes are the defaults
     sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True),
                       cp.max_num_seqs, cp.max_num_batched_tokens)

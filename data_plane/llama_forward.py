@@ -1,4 +1,5 @@
-"""A lean forward pass for Llama-shaped models on the CPU in float32 (SmolLM2, the default model).
+"""A lean forward pass for Llama-shaped models on the CPU in float32 or bfloat16 (SmolLM2, the default
+model).
 
 transformers' forward spends about a quarter of a small decode step outside the matrix products
 (module calls, hooks, views and transposes of [batch, heads, tokens, dim] tensors). This forward
@@ -8,8 +9,10 @@ runs the same arithmetic on the flattened [tokens, ...] rows of a step with fewe
   The model's own q/k/v/gate/up weights become views into the stacked copies, so no memory is
   added and transformers' forward (model_support's probe) still runs on the same numbers;
 - RMSNorm, rotary embedding, SiLU and the residual adds are transformers' own operations in the
-  same order (the rotary cos/sin come from the model's own rotary module), so the numbers match
-  transformers' forward up to the products' summation order, as with the routed linear layers;
+  same order and the same types (in bfloat16: the norm in float32, rounded where transformers rounds;
+  the rotary cos/sin come from the model's own rotary module), so the numbers match transformers'
+  forward up to the products' summation order, as with the routed linear layers (in bfloat16 the
+  packed GEMM gives F.linear's very bits);
 - attention is the data plane's paged attention (ops/attention.py), called directly.
 
 Only models whose every layer is the plain Llama block qualify (`build` says why not otherwise);
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ops import cpu_kernels
 from ops import linear as linear_ops
+from ops import quantized
 from ops.attention import paged_attention, write_kv
 
 
@@ -36,7 +41,7 @@ def unsupported_reason(model) -> str | None:
         return "pretraining_tp > 1"
     weight = model.get_output_embeddings().weight
     if not linear_ops.eligible(weight):
-        return f"{weight.dtype} on {weight.device.type} (this forward is for float32 on the CPU)"
+        return f"{weight.dtype} on {weight.device.type} (this forward is for float32 or bfloat16 on the CPU)"
     layer = model.model.layers[0]
     if getattr(layer.self_attn, "sliding_window", None):
         return "a sliding window"
@@ -61,7 +66,7 @@ def _stack(modules) -> torch.Tensor:
 
 
 class _Layer:
-    def __init__(self, layer, kernel, packed: bool, codes: bool):
+    def __init__(self, layer, kernel, packed: bool, codes: bool | dict):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.num_heads = attn.config.num_attention_heads
@@ -70,12 +75,15 @@ class _Layer:
         self.scaling = attn.scaling
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        def route(weight):
-            return linear_ops.RoutedLinear(weight, None, kernel, packed, codes=codes)
-        self.qkv = route(_stack([attn.q_proj, attn.k_proj, attn.v_proj]))
-        self.o = route(attn.o_proj.weight)
-        self.gate_up = route(_stack([mlp.gate_proj, mlp.up_proj]))
-        self.down = route(mlp.down_proj.weight)
+        def route(modules):
+            # a dict holds the codes found per module before the model was narrowed to bfloat16
+            given = quantized.Codes.cat([codes.get(m) for m in modules]) if isinstance(codes, dict) else codes
+            weight = _stack(modules) if len(modules) > 1 else modules[0].weight
+            return linear_ops.RoutedLinear(weight, None, kernel, packed, codes=given)
+        self.qkv = route([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o = route([attn.o_proj])
+        self.gate_up = route([mlp.gate_proj, mlp.up_proj])
+        self.down = route([mlp.down_proj])
 
 
 def _plain_silu(model) -> bool:
@@ -92,8 +100,9 @@ class _TorchOps:
     def add_rms_norm(residual, x, weight, eps):
         if x is not None:
             residual.add_(x)
-        variance = residual.pow(2).mean(-1, keepdim=True)
-        return weight * (residual * torch.rsqrt(variance + eps))
+        wide = residual.float()   # the residual itself in float32
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        return weight * (wide * torch.rsqrt(variance + eps)).to(residual.dtype)
 
     @staticmethod
     def rotary(q, k, cos, sin):
@@ -106,8 +115,8 @@ class _TorchOps:
 
 
 class _KernelOps(_TorchOps):
-    """The same parts in kernels/cpu/fused_ops.cpp, one pass each (SiLU*up in sixteen lanes: 1.9-2.3x
-    torch's at 1-512 rows of SmolLM2's 1536, within 8e-6)."""
+    """The same parts in kernels/cpu/fused_ops.cpp, one pass each, in float32 or bfloat16 (rounded where
+    transformers' bfloat16 operations round)."""
 
     def __init__(self, act, kernel):
         super().__init__(act)
@@ -123,11 +132,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaForward:
     """hidden states [tokens, hidden] of the model's last norm for one step's flattened tokens."""
 
-    def __init__(self, model, fused: bool = True, codes: bool = True):
+    def __init__(self, model, fused: bool = True, codes: bool | dict = True):
         self.model = model.model
-        kernel = linear_ops.kernel_for([model.get_output_embeddings().weight])
-        packed = linear_ops.has_packed_gemm()
-        self.layers = [_Layer(layer, kernel, packed, codes) for layer in self.model.layers]
+        # built for float32 and bfloat16 alike (unsupported_reason checked the type); the products
+        # of a bfloat16 model take oneDNN's GEMM whatever the kernel module holds
+        kernel = cpu_kernels.load()
+        self.layers = [_Layer(layer, kernel, True, codes) for layer in self.model.layers]
         act = self.model.layers[0].mlp.act_fn
         # the fused norm/rotary/SiLU kernels when built, else torch's operations
         use_kernel = kernel is not None and _plain_silu(model) and fused
@@ -164,8 +174,9 @@ class LlamaForward:
         return x
 
 
-def build(model, codes: bool = True) -> tuple[LlamaForward | None, str | None]:
+def build(model, codes: bool | dict = True) -> tuple[LlamaForward | None, str | None]:
     """(the lean forward, None) for a model that qualifies, else (None, why not). `codes`: read the
-    weights that are exactly GGUF codes expanded as codes (ops/quantized.py)."""
+    weights that are exactly GGUF codes expanded as codes (ops/quantized.py); for a bfloat16 model, the
+    codes found per module while it was float32 (quantized.codes_by_module)."""
     why = unsupported_reason(model)
     return (None, why) if why else (LlamaForward(model, codes=codes), None)

@@ -16,6 +16,7 @@ from data_plane import attention, decode_graphs, kv_pool, llama_forward, model_s
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
+from ops import quantized
 from ops import warmup
 from ops.cache_ops import copy_blocks
 from shared.config import DTYPE_BYTES, MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
@@ -50,9 +51,13 @@ def load_model(config: DataPlaneConfig, device: torch.device):
     folder, gguf_file = split_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     model_support.check_config(hf_config)
+    # a GGUF file served in bfloat16 on the CPU is loaded in float32 first, where its weights are still
+    # exactly their codes (ModelRunner finds them, then narrows the model: the same bfloat16 values
+    # as loading it in bfloat16)
+    wide_first = gguf_file is not None and config.dtype != "float32" and config.gguf_codes and device.type == "cpu"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf_file, dtype=getattr(torch, config.dtype),
+            folder, gguf_file=gguf_file, dtype=torch.float32 if wide_first else getattr(torch, config.dtype),
             attn_implementation=attention.register())
     except KeyError as exc:
         refusal = model_support.load_refusal(model_support.architecture(hf_config), exc)
@@ -66,6 +71,11 @@ def load_model(config: DataPlaneConfig, device: torch.device):
 
 class ModelRunner:
     def __init__(self, model, config: DataPlaneConfig, device: torch.device):
+        self.dtype = getattr(torch, config.dtype)
+        # a float32 model to be served narrower (load_model): its GGUF codes are found while it is float32
+        wide_codes = quantized.codes_by_module(model) \
+            if model.dtype != self.dtype and config.gguf_codes and device.type == "cpu" else None
+        model = model.to(self.dtype)
         self.model = model
         self.device = device
         self.block_size = config.block_size
@@ -79,7 +89,6 @@ class ModelRunner:
         self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
             // config.tensor_parallel_size
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        self.dtype = getattr(torch, config.dtype)
         block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
@@ -115,10 +124,9 @@ class ModelRunner:
         # a Llama-shaped float32 CPU model runs the lean forward; its linear layers, and every other
         # model's, are routed: weights that are exactly GGUF codes expanded through the kernel reading
         # the codes, others by row count: few rows through the kernel, more through prepacked GEMM
-        self.lean, why_not = llama_forward.build(model, config.gguf_codes) if config.lean_forward \
-            else (None, "--no-lean-forward")
-        routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model,
-                                          codes=config.gguf_codes)
+        codes = config.gguf_codes if wide_codes is None else wide_codes
+        self.lean, why_not = llama_forward.build(model, codes) if config.lean_forward else (None, "--no-lean-forward")
+        routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model, codes=codes)
         if self.lean:
             for route, count in linear_ops.route_counts(self.lean.linears()).items():
                 routes[route] += count

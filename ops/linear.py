@@ -1,4 +1,12 @@
-"""Float32 linear layers on CPU, routed by the number of rows a step brings:
+"""Linear layers on CPU, routed by the weight's type and the number of rows a step brings.
+
+bfloat16: oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
+weight reordered once at start into oneDNN's blocked layout. Its results are bit for bit those of
+`F.linear` on the same bfloat16 tensors (which reorders the weight at every call), at every row count
+and whatever the batch; oneDNN picks the instructions the CPU has (AVX512-BF16 dot products, AMX tiles,
+or a float32 emulation where neither exists).
+
+float32:
 
 - a weight whose float32 values are exactly GGUF Q4_1 or Q8_0 codes expanded (as the default model's
   are; ops/quantized.py finds them) goes through the kernel that reads the codes
@@ -27,6 +35,9 @@ from ops import cpu_kernels, quantized
 # measured on the runner's decode step, alternating (quiet machine): the kernel is even with the packed GEMM
 # up to 12 rows and 7% slower at 16; the packed GEMM is 1.10-1.14x F.linear at 32-64 rows
 SKINNY_MAX_ROWS = 8
+# bfloat16 weights that are GGUF codes: up to this many rows through the kernel reading the codes (a step
+# of few rows is bound by reading the weights), more through oneDNN's GEMM (bfloat16 dot products)
+BF16_CODES_MAX_ROWS = 16
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 
 
@@ -38,30 +49,58 @@ def has_packed_gemm() -> bool:
     return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def has_packed_bf16_gemm() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight reordered once for its GEMM library (MKL for float32, oneDNN for bfloat16), or None."""
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) \
+            if has_packed_bf16_gemm() else None
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) if has_packed_gemm() else None
+
+
 class RoutedLinear:
-    """y = x W^T + b for x [..., K], through the fastest route for its row count. `kernel` is the
-    loaded CPU kernel module (or None), `packed` whether to pack W for MKL's GEMM, `codes` whether
-    to read W as codes where its values allow it (exactly: see ops/quantized.py)."""
+    """y = x W^T + b for x [..., K], through the fastest route for its type and row count. `kernel` is
+    the loaded CPU kernel module (or None), `packed` whether to pack W for its GEMM library, `codes`
+    whether to read a float32 W as codes where its values allow it (exactly: see ops/quantized.py);
+    for a bfloat16 W, the codes of the float32 weight it was rounded from (kept only if they give W
+    back bit for bit), or None."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel, packed: bool,
-                 skinny_max_rows: int = SKINNY_MAX_ROWS, codes: bool = True):
+                 skinny_max_rows: int = SKINNY_MAX_ROWS, codes: bool | quantized.Codes | None = True):
         self.weight, self.bias = weight, bias
         self.kernel = kernel if bias is None else None   # the kernels add no bias
-        self.codes = quantized.find_codes(weight) if codes and self.kernel is not None else None
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS_HINT) \
-            if packed and has_packed_gemm() and self.codes is None else None
+        wide = weight.dtype == torch.float32
+        if self.kernel is None or not codes:
+            self.codes = None
+        elif wide:
+            self.codes = quantized.find_codes(weight)
+        else:
+            self.codes = codes if isinstance(codes, quantized.Codes) and codes.rounds_to(self.kernel, weight) else None
+        # bfloat16 keeps oneDNN's copy for many rows beside the codes; float32 codes serve every row count
+        self.packed = _pack(weight) if packed and (self.codes is None or not wide) else None
         self.skinny_max_rows = skinny_max_rows
 
     @property
     def routed(self) -> bool:
-        return self.kernel is not None or self.packed is not None
+        few_rows = self.kernel is not None and self.weight.dtype == torch.float32   # the few-row kernel
+        return self.codes is not None or self.packed is not None or few_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 0 or x.dtype != torch.float32 or torch.is_grad_enabled():
+        if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
-        if self.codes is not None:
+        if x.dtype == torch.bfloat16:
+            if self.codes is not None and (rows <= BF16_CODES_MAX_ROWS or self.packed is None):
+                out = self.codes.linear(self.kernel, flat.contiguous())
+            elif self.packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            else:
+                out = F.linear(flat, self.weight, self.bias)
+        elif self.codes is not None:
             out = self.codes.linear(self.kernel, flat.contiguous())
         elif self.kernel is not None and rows <= self.skinny_max_rows:
             out = self.kernel.skinny_linear(flat.contiguous(), self.weight)
@@ -72,27 +111,33 @@ class RoutedLinear:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+ROUTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def eligible(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+    return weight.dtype in ROUTED_DTYPES and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def kernel_for(weights) -> object | None:
-    """The CPU kernel module when some of `weights` can use it (no build at all for a GPU or bf16 model)."""
+    """The CPU kernel module when some of `weights` can use it (no build at all for a GPU model)."""
     return cpu_kernels.load() if any(eligible(w) for w in weights) else None
 
 
 def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS,
-                  packed: bool | None = None, codes: bool = True) -> dict[str, int]:
-    """Route the float32 CPU `nn.Linear` layers of `model` through the kernel reading codes (`codes`,
-    where a weight is exactly GGUF codes expanded), the few-row kernel (up to `skinny_max_rows` rows) and
-    the packed GEMM (`packed`: None uses it where MKL has it); returns how many layers each route took
-    over (0 each when none is available). Calling it again re-routes."""
+                  packed: bool | None = None, codes: bool | dict = True) -> dict[str, int]:
+    """Route the float32 and bfloat16 CPU `nn.Linear` layers of `model`: float32 ones through the kernel
+    reading codes (`codes`, where a weight is exactly GGUF codes expanded), the few-row kernel (up to
+    `skinny_max_rows` rows) and the packed GEMM; bfloat16 ones through oneDNN's packed GEMM (`packed`:
+    None uses packing where the library has it), reading codes where `codes` (a dict from module to
+    the codes found before the model was narrowed: ops/quantized.codes_by_module) gives them; returns
+    how many layers each route took over (0 each when none is available). Calling it again re-routes."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and eligible(m.weight)]
     kernel = kernel_for([m.weight for m in layers if m.bias is None])
-    packed = has_packed_gemm() if packed is None else packed
+    packed = True if packed is None else packed
     taken = []
     for module in layers:
-        routed = RoutedLinear(module.weight, module.bias, kernel, packed, skinny_max_rows, codes)
+        given = codes.get(module) if isinstance(codes, dict) else codes
+        routed = RoutedLinear(module.weight, module.bias, kernel, packed, skinny_max_rows, given)
         if routed.routed:
             module.forward = routed   # instance attribute: hooks still run
             taken.append(routed)
@@ -105,6 +150,6 @@ def route_counts(linears) -> dict[str, int]:
     counts = {"codes": 0, "kernel": 0, "packed": 0}
     for routed in linears:
         counts["codes"] += routed.codes is not None
-        counts["kernel"] += routed.kernel is not None and routed.codes is None
+        counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.weight.dtype == torch.float32
         counts["packed"] += routed.packed is not None
     return counts

@@ -47,6 +47,25 @@ class Codes:
     def linear(self, kernel, x: torch.Tensor) -> torch.Tensor:
         return kernel.coded_linear(x, self.codes, self.scales, self.mins)
 
+    @staticmethod
+    def cat(parts: list[Codes | None]) -> Codes | None:
+        """The codes of the weights stacked along their outputs (each a whole number of groups), or None
+        when some part has none or the formats differ."""
+        if not parts or any(p is None or p.kind != parts[0].kind for p in parts):
+            return None
+        mins = torch.cat([p.mins for p in parts]) if parts[0].mins is not None else None
+        return Codes(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+
+    def rounds_to(self, kernel, weight: torch.Tensor) -> bool:
+        """Whether these codes, expanded to float32 and rounded to `weight`'s type, give `weight` bit for
+        bit (a bfloat16 model cast from the float32 one the codes were found in)."""
+        wide = kernel.coded_expand(self.codes, self.scales, self.mins)
+        if wide.shape != weight.shape:
+            return False
+        narrow = wide.to(weight.dtype)
+        return torch.equal(narrow.view(torch.int16), weight.detach().view(torch.int16)) \
+            if weight.element_size() == 2 else torch.equal(narrow, weight)
+
 
 def find_codes(weight: torch.Tensor) -> Codes | None:
     """The codes of `weight` [N, K] in the first format that gives it back exactly, or None (also
@@ -65,6 +84,19 @@ def find_codes(weight: torch.Tensor) -> Codes | None:
             if first is not None:
                 return first if n == GROUP else find(blocks)
         return None
+
+
+def codes_by_module(model: torch.nn.Module) -> dict[torch.nn.Module, Codes]:
+    """The codes of every float32 `nn.Linear` weight of `model` that has them: found before a model is
+    narrowed to bfloat16, where the float32 values are gone (the bfloat16 path reads them through
+    `Codes.rounds_to`)."""
+    found = {}
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
+            codes = find_codes(module.weight)
+            if codes is not None:
+                found[module] = codes
+    return found
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -89,13 +89,15 @@ def paged_model(seed=0, **kw):
     return tiny_llama(attn=attention.register(), seed=seed, **kw)
 
 
-def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=None, lean_forward=True):
+def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=None, lean_forward=True,
+                dtype="float32"):
     """The data plane's ModelRunner over `model`, in-process (`swap_blocks` None: the default CPU pool;
-    `lean_forward` False keeps transformers' forward for a Llama)."""
+    `lean_forward` False keeps transformers' forward for a Llama; `dtype` the model's and the pool's)."""
     from data_plane.model_runner import ModelRunner
     from shared.config import DataPlaneConfig
+    model = model.to(getattr(torch, dtype))
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
-                             swap_blocks=swap_blocks, lean_forward=lean_forward)
+                             swap_blocks=swap_blocks, lean_forward=lean_forward, dtype=dtype)
     return ModelRunner(model.to(device), config, torch.device(device))
 
 

@@ -15,6 +15,11 @@
 // laid out input by input (48 floats per input), then runs every 8-row tile of x over the buffer with
 // 8 x 3 sixteen-lane accumulators: per input, 3 loads of weights and 8 broadcasts of x feed 24 FMAs.
 // Each output is the FMA chain over k = 0..K-1 in order, whatever the number of rows.
+//
+// bfloat16 x and y (a bfloat16 model whose weights are these codes expanded, then rounded to
+// bfloat16): the expansion rounds each weight to bfloat16 as well, so the kernel multiplies the
+// model's very bfloat16 weights by bfloat16 inputs; each product is exact in float32 and the sum is
+// float32, as in oneDNN's bfloat16 GEMM, only in another order. y is rounded once at the end.
 #include "aten.h"
 
 #include <algorithm>
@@ -54,7 +59,11 @@ float* panel_buffer(int64_t K) {
   return buf.get();
 }
 
-// the float32 weights of groups [g0, g0 + groups) into buf[k * 48 + 16 * v + lane]
+using pagedserve::bf16;
+using pagedserve::rounded;
+
+// the float32 weights of groups [g0, g0 + groups) into buf[k * 48 + 16 * v + lane], rounded to T
+template <typename T>
 void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
   const int64_t K = w.K, pairs = K / 2, blocks = K / kBlock;
   for (int64_t v = 0; v < groups; ++v) {
@@ -69,8 +78,8 @@ void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
         const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4));
-        _mm512_store_ps(out + (2 * j) * kPanel, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
-        _mm512_store_ps(out + (2 * j + 1) * kPanel, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
+        _mm512_store_ps(out + (2 * j) * kPanel, pagedserve::rounded16<T>(_mm512_add_ps(_mm512_mul_ps(lo, d), m)));
+        _mm512_store_ps(out + (2 * j + 1) * kPanel, pagedserve::rounded16<T>(_mm512_add_ps(_mm512_mul_ps(hi, d), m)));
       }
     }
 #else
@@ -80,14 +89,15 @@ void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
         const uint8_t c = codes[j * kGroup + l];
         const float d = scales[b * kGroup + l], m = mins[b * kGroup + l];
         const float lo = static_cast<float>(c & 15) * d, hi = static_cast<float>(c >> 4) * d;
-        out[(2 * j) * kPanel + l] = lo + m;
-        out[(2 * j + 1) * kPanel + l] = hi + m;
+        out[(2 * j) * kPanel + l] = rounded<T>(lo + m);
+        out[(2 * j + 1) * kPanel + l] = rounded<T>(hi + m);
       }
     }
 #endif
   }
 }
 
+template <typename T>
 void expand_q8(const Weights& w, int64_t g0, int64_t groups, float* buf) {
   const int64_t K = w.K, blocks = K / kBlock;
   for (int64_t v = 0; v < groups; ++v) {
@@ -99,74 +109,75 @@ void expand_q8(const Weights& w, int64_t g0, int64_t groups, float* buf) {
       const __m512 d = _mm512_loadu_ps(scales + b * kGroup);
       for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
         const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kGroup)));
-        _mm512_store_ps(out + k * kPanel, _mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
+        _mm512_store_ps(out + k * kPanel, pagedserve::rounded16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d)));
       }
 #else
       for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
         for (int64_t l = 0; l < kGroup; ++l)
-          out[k * kPanel + l] = static_cast<float>(codes[k * kGroup + l]) * scales[b * kGroup + l];
+          out[k * kPanel + l] = rounded<T>(static_cast<float>(codes[k * kGroup + l]) * scales[b * kGroup + l]);
 #endif
     }
   }
 }
 
+template <typename T>
 void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
-  if (w.mins != nullptr) expand_q4(w, g0, groups, buf);
-  else expand_q8(w, g0, groups, buf);
+  if (w.mins != nullptr) expand_q4<T>(w, g0, groups, buf);
+  else expand_q8<T>(w, g0, groups, buf);
 }
 
 #ifdef PAGEDSERVE_AVX512
 // y[m0 .. m0 + R, n0 .. n0 + 16 V] from the expanded panel
-template <int R, int V>
-void tile(const float* x, const float* buf, float* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+template <int R, int V, typename T>
+void tile(const T* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   __m512 acc[R][V];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
-  const float* xr = x + m0 * K;
+  const T* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[V];
     for (int v = 0; v < V; ++v) w[v] = _mm512_load_ps(buf + k * kPanel + v * kGroup);
     for (int i = 0; i < R; ++i) {
-      const __m512 xb = _mm512_set1_ps(xr[i * K + k]);
+      const __m512 xb = _mm512_set1_ps(pagedserve::to_float(xr[i * K + k]));
       for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(xb, w[v], acc[i][v]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + (m0 + i) * N + n0 + v * kGroup, acc[i][v]);
+    for (int v = 0; v < V; ++v) pagedserve::store16(y + (m0 + i) * N + n0 + v * kGroup, acc[i][v]);
 }
 
-template <int V>
-void tile_rows(int64_t rows, const float* x, const float* buf, float* y, int64_t m0, int64_t n0, int64_t K,
-               int64_t N) {
+template <int V, typename T>
+void tile_rows(int64_t rows, const T* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   switch (rows) {
-    case 1: tile<1, V>(x, buf, y, m0, n0, K, N); break;
-    case 2: tile<2, V>(x, buf, y, m0, n0, K, N); break;
-    case 3: tile<3, V>(x, buf, y, m0, n0, K, N); break;
-    case 4: tile<4, V>(x, buf, y, m0, n0, K, N); break;
-    case 5: tile<5, V>(x, buf, y, m0, n0, K, N); break;
-    case 6: tile<6, V>(x, buf, y, m0, n0, K, N); break;
-    case 7: tile<7, V>(x, buf, y, m0, n0, K, N); break;
-    default: tile<8, V>(x, buf, y, m0, n0, K, N); break;
+    case 1: tile<1, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 2: tile<2, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 3: tile<3, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 4: tile<4, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 5: tile<5, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 6: tile<6, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 7: tile<7, V, T>(x, buf, y, m0, n0, K, N); break;
+    default: tile<8, V, T>(x, buf, y, m0, n0, K, N); break;
   }
 }
 #endif
 
 // every row of x against the panel's `groups` groups, expanded in buf
-void panel_product(const float* x, const float* buf, float* y, int64_t M, int64_t n0, int64_t groups, int64_t K,
+template <typename T>
+void panel_product(const T* x, const float* buf, T* y, int64_t M, int64_t n0, int64_t groups, int64_t K,
                    int64_t N) {
 #ifdef PAGEDSERVE_AVX512
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, M - m0);
-    if (groups == 3) tile_rows<3>(rows, x, buf, y, m0, n0, K, N);
-    else if (groups == 2) tile_rows<2>(rows, x, buf, y, m0, n0, K, N);
-    else tile_rows<1>(rows, x, buf, y, m0, n0, K, N);
+    if (groups == 3) tile_rows<3, T>(rows, x, buf, y, m0, n0, K, N);
+    else if (groups == 2) tile_rows<2, T>(rows, x, buf, y, m0, n0, K, N);
+    else tile_rows<1, T>(rows, x, buf, y, m0, n0, K, N);
   }
 #else
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < groups * kGroup; ++c) {
       float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc = std::fma(x[m * K + k], buf[k * kPanel + c], acc);
-      y[m * N + n0 + c] = acc;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(pagedserve::to_float(x[m * K + k]), buf[k * kPanel + c], acc);
+      y[m * N + n0 + c] = pagedserve::from_float<T>(acc);
     }
 #endif
 }
@@ -187,24 +198,31 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
   return Weights{codes.data_ptr(), scales.data_ptr<float>(), q4 ? mins->data_ptr<float>() : nullptr, K};
 }
 
-}  // namespace
-
-at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "coded_linear: x [M, K] float32");
-  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), N = groups * kGroup;
-  const Weights w = coded_weights(codes, scales, mins, K);
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename T>
+void coded_rows(const Weights& w, const T* xp, T* yp, int64_t M, int64_t groups) {
+  const int64_t K = w.K, N = groups * kGroup;
   const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float* buf = panel_buffer(K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
-      expand(w, g0, count, buf);
+      expand<T>(w, g0, count, buf);
       panel_product(xp, buf, yp, M, g0 * kGroup, count, K, N);
     }
   });
+}
+
+}  // namespace
+
+at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "coded_linear: x [M, K] float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0);
+  const Weights w = coded_weights(codes, scales, mins, K);
+  auto y = at::empty({M, groups * kGroup}, x.options());
+  if (x.scalar_type() == at::kFloat) coded_rows(w, x.data_ptr<float>(), y.data_ptr<float>(), M, groups);
+  else coded_rows(w, reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()), M, groups);
   return y;
 }
 
@@ -217,7 +235,7 @@ at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::T
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     float* buf = panel_buffer(K);
     for (int64_t g = g0; g < g1; ++g) {
-      expand(w, g, 1, buf);
+      expand<float>(w, g, 1, buf);
       for (int64_t l = 0; l < kGroup; ++l)
         for (int64_t k = 0; k < K; ++k) op[(g * kGroup + l) * K + k] = buf[k * kPanel + l];
     }

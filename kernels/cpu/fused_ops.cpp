@@ -7,12 +7,17 @@
 // gate / (1 + exp(-gate)) * up. Only the sum of squares is accumulated in another order (and
 // expf may differ from torch's vectorized exp in the last bit), so the results agree with torch's to
 // float32 rounding. Products and sums are not contracted into FMAs, as torch's separate ops are not.
+//
+// In bfloat16 every function rounds where transformers' bfloat16 forward rounds (each torch operation
+// writes bfloat16; RMSNorm works in float32 and rounds before the weight), with float32 arithmetic in
+// between, so the results are transformers' up to the same float32 differences.
 #include "aten.h"
 
 #include "simd.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -24,17 +29,49 @@ namespace {
 // grain: rows per task, so that a decode step of a few rows stays on one thread
 constexpr int64_t kRowGrain = 8;
 
-void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+using pagedserve::bf16;
+using pagedserve::from_float;
+using pagedserve::rounded;
+using pagedserve::to_float;
+
+template <typename T>
+void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   // sixteen running sums, one per lane, so that the compiler keeps them in one vector register
   float lanes[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += x[i + j] * x[i + j];
+    for (int j = 0; j < 16; ++j) lanes[j] += to_float(x[i + j]) * to_float(x[i + j]);
   float sum = 0.f;
   for (int j = 0; j < 16; ++j) sum += lanes[j];
-  for (; i < n; ++i) sum += x[i] * x[i];
+  for (; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+  for (i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * rounded<T>(to_float(x[i]) * inv));
+}
+
+template <typename T> T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+// the kernels' two element types
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+template <typename T>
+void add_rms_norm_rows(at::Tensor& residual, const c10::optional<at::Tensor>& x, const at::Tensor& w, at::Tensor& out,
+                       float eps) {
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  const T* xp = x.has_value() ? data<T>(*x) : nullptr;
+  const int64_t x_stride = x.has_value() ? x->stride(0) : 0;
+  T* rp = data<T>(residual);
+  const T* wp = data<T>(w);
+  T* op = data<T>(out);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* row = rp + r * n;
+      if (xp)
+        for (int64_t i = 0; i < n; ++i) row[i] = from_float<T>(to_float(row[i]) + to_float(xp[r * x_stride + i]));
+      norm_row(row, wp, op + r * n, n, eps);
+    }
+  });
 }
 
 }  // namespace
@@ -42,69 +79,48 @@ void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) 
 // residual += x (in place), then out = RMSNorm(residual) * w; with x undefined, only the norm
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w,
                                   double eps) {
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.is_contiguous(),
-              "add_rms_norm: residual must be contiguous float32 [rows, hidden]");
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == residual.size(1),
-              "add_rms_norm: weight must be float32 [hidden]");
-  const int64_t rows = residual.size(0), n = residual.size(1);
-  const float* xp = nullptr;
-  int64_t x_stride = 0;
-  if (x.has_value()) {
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 2 && x->size(0) == rows && x->size(1) == n &&
-                x->stride(1) == 1, "add_rms_norm: x must be float32 [rows, hidden] with unit last stride");
-    xp = x->data_ptr<float>();
-    x_stride = x->stride(0);
-  }
+  const auto dtype = residual.scalar_type();
+  TORCH_CHECK(float_or_bf16(residual) && residual.dim() == 2 && residual.is_contiguous(),
+              "add_rms_norm: residual must be contiguous float32 or bfloat16 [rows, hidden]");
+  TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous() && w.numel() == residual.size(1),
+              "add_rms_norm: weight must be [hidden] of the residual's type");
+  if (x.has_value())
+    TORCH_CHECK(x->scalar_type() == dtype && x->dim() == 2 && x->size(0) == residual.size(0) &&
+                x->size(1) == residual.size(1) && x->stride(1) == 1,
+                "add_rms_norm: x must be [rows, hidden] of the residual's type with unit last stride");
   auto out = at::empty_like(residual);
-  float* rp = residual.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* row = rp + r * n;
-      if (xp)
-        for (int64_t i = 0; i < n; ++i) row[i] = row[i] + xp[r * x_stride + i];
-      norm_row(row, wp, op + r * n, n, e);
-    }
-  });
+  if (dtype == at::kFloat) add_rms_norm_rows<float>(residual, x, w, out, static_cast<float>(eps));
+  else add_rms_norm_rows<bf16>(residual, x, w, out, static_cast<float>(eps));
   return out;
 }
 
-// q [T, H, D] and k [T, Hk, D] rows of a [T, *] tensor (any row stride, unit last stride); cos, sin
-// [T, D]. Returns contiguous rotated copies: x * cos + cat(-x[D/2:], x[:D/2]) * sin.
-std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && q.dim() == 3 && k.dim() == 3,
-              "rotary: q and k must be float32 [tokens, heads, dim]");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
-              "rotary: heads must be packed with unit last stride");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
-              cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && sin.sizes() == cos.sizes(),
-              "rotary: cos and sin must be contiguous float32 [tokens, dim]");
+namespace {
+
+// x * cos + rotate_half(x) * sin for every head of every token; each product and the sum rounded to T
+template <typename T>
+void rotary_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                 at::Tensor& qo, at::Tensor& ko) {
   const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
-  TORCH_CHECK(k.size(0) == tokens && k.size(2) == d && d % 2 == 0, "rotary: q and k disagree");
-  auto qo = at::empty({tokens, q.size(1), d}, q.options());
-  auto ko = at::empty({tokens, k.size(1), d}, k.options());
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+  const T* cp = data<T>(cos);
+  const T* sp = data<T>(sin);
   auto one = [&](const at::Tensor& src, at::Tensor& dst, int64_t t) {
-    const float* c = cp + t * d;
-    const float* s = sp + t * d;
+    const T* c = cp + t * d;
+    const T* s = sp + t * d;
     const int64_t heads = src.size(1);
-    const float* in = src.data_ptr<float>() + t * src.stride(0);
-    float* out = dst.data_ptr<float>() + t * heads * d;
+    const T* in = data<T>(src) + t * src.stride(0);
+    T* out = data<T>(dst) + t * heads * d;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* x = in + h * d;
-      float* y = out + h * d;
+      const T* x = in + h * d;
+      T* y = out + h * d;
       for (int64_t i = 0; i < half; ++i) {
-        const float a = x[i] * c[i];
-        const float b = (-x[i + half]) * s[i];
-        y[i] = a + b;
+        const float a = rounded<T>(to_float(x[i]) * to_float(c[i]));
+        const float b = rounded<T>((-to_float(x[i + half])) * to_float(s[i]));
+        y[i] = from_float<T>(a + b);
       }
       for (int64_t i = half; i < d; ++i) {
-        const float a = x[i] * c[i];
-        const float b = x[i - half] * s[i];
-        y[i] = a + b;
+        const float a = rounded<T>(to_float(x[i]) * to_float(c[i]));
+        const float b = rounded<T>(to_float(x[i - half]) * to_float(s[i]));
+        y[i] = from_float<T>(a + b);
       }
     }
   };
@@ -114,38 +130,74 @@ std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::T
       one(k, ko, t);
     }
   });
+}
+
+}  // namespace
+
+// q [T, H, D] and k [T, Hk, D] rows of a [T, *] tensor (any row stride, unit last stride); cos, sin
+// [T, D]. Returns contiguous rotated copies: x * cos + cat(-x[D/2:], x[:D/2]) * sin.
+std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(float_or_bf16(q) && k.scalar_type() == dtype && q.dim() == 3 && k.dim() == 3,
+              "rotary: q and k must be float32 or bfloat16 [tokens, heads, dim]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rotary: heads must be packed with unit last stride");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+              cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && sin.sizes() == cos.sizes(),
+              "rotary: cos and sin must be contiguous [tokens, dim] of q's type");
+  const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
+  TORCH_CHECK(k.size(0) == tokens && k.size(2) == d && d % 2 == 0, "rotary: q and k disagree");
+  auto qo = at::empty({tokens, q.size(1), d}, q.options());
+  auto ko = at::empty({tokens, k.size(1), d}, k.options());
+  if (dtype == at::kFloat) rotary_rows<float>(q, k, cos, sin, qo, ko);
+  else rotary_rows<bf16>(q, k, cos, sin, qo, ko);
   return {qo, ko};
 }
 
 // gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up, [T, I]: gate / (1 + e^-gate) * up, as torch
 // computes it; with AVX-512 in sixteen lanes (simd.h's exp16, within ~2e-7 of expf), else expf.
-at::Tensor silu_mul(at::Tensor gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous() &&
-              gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be contiguous float32 [rows, 2 * inner]");
+namespace {
+
+// SiLU(gate) rounded to T (torch's silu writes T), times up, rounded to T
+template <typename T>
+void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  auto out = at::empty({rows, inner}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* gp = data<T>(gate_up);
+  T* op = data<T>(out);
   // split by elements, not rows, so that one row of a decode step uses every thread too
   at::parallel_for(0, rows * inner, 2048, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1;) {
       const int64_t r = e / inner, i0 = e % inner, i1 = std::min(inner, i0 + (e1 - e));
-      const float* g = gp + r * 2 * inner;
-      const float* u = g + inner;
-      float* y = op + r * inner;
+      const T* g = gp + r * 2 * inner;
+      const T* u = g + inner;
+      T* y = op + r * inner;
       int64_t i = i0;
 #ifdef PAGEDSERVE_AVX512
       const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= i1; i += 16) {
-        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 gv = pagedserve::load16(g + i);
         const __m512 e_neg = pagedserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e_neg)), _mm512_loadu_ps(u + i)));
+        const __m512 silu = pagedserve::rounded16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e_neg)));
+        pagedserve::store16(y + i, _mm512_mul_ps(silu, pagedserve::load16(u + i)));
       }
 #endif
-      for (; i < i1; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+      for (; i < i1; ++i) {
+        const float gi = to_float(g[i]);
+        y[i] = from_float<T>(rounded<T>(gi / (1.f + std::exp(-gi))) * to_float(u[i]));
+      }
       e += i1 - i0;
     }
   });
+}
+
+}  // namespace
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(float_or_bf16(gate_up) && gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be contiguous float32 or bfloat16 [rows, 2 * inner]");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_mul_rows<float>(gate_up, out);
+  else silu_mul_rows<bf16>(gate_up, out);
   return out;
 }
 
@@ -216,8 +268,10 @@ std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
 // k, v [T, Hk, D] (any token stride, heads packed) into the flat caches [slots, Hk, D] at slot_mapping[t];
 // slot -1: skipped. One call per layer instead of torch's mask, select and two index_copy_ calls.
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "write_kv: float32 only");
+  const auto dtype = k.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && v.scalar_type() == dtype &&
+              k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "write_kv: float32 or bfloat16, the same for k, v and the caches");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
               k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "write_kv: k and v [tokens, heads, dim], heads packed");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
@@ -230,13 +284,15 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "write_kv: slot ", sp[t], " out of range");
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  // a token's row is copied as bytes: the caches hold the same type as k and v
+  const int64_t item = k.element_size(), row = width * item;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
     if (sp[t] < 0) continue;
-    std::copy(kp + t * k.stride(0), kp + t * k.stride(0) + width, kc + sp[t] * width);
-    std::copy(vp + t * v.stride(0), vp + t * v.stride(0) + width, vc + sp[t] * width);
+    std::memcpy(kc + sp[t] * row, kp + t * k.stride(0) * item, row);
+    std::memcpy(vc + sp[t] * row, vp + t * v.stride(0) * item, row);
   }
 }

@@ -91,7 +91,7 @@ def test_kernel_refuses_what_does_not_fit(kernel):
         kernel.coded_linear(torch.randn(2, 80), q4.codes, q4.scales, q4.mins)
     with pytest.raises(RuntimeError, match="Q4_1 codes"):     # x's K is not the codes'
         kernel.coded_linear(torch.randn(2, 96), q4.codes, q4.scales, q4.mins)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernel.coded_linear(torch.randn(2, 64, dtype=torch.float64), q4.codes, q4.scales, q4.mins)
     with pytest.raises(RuntimeError, match="Q4_1 codes"):     # Q8_0 codes with a minimum
         kernel.coded_linear(torch.randn(2, 64), q8.codes, q8.scales, q8.scales)
@@ -113,3 +113,43 @@ def test_routed_linear_reads_codes_at_every_row_count_and_packs_nothing(kernel, 
     assert calls == [1, 9, 300]
     assert linear.RoutedLinear(weight, None, kernel, packed=True, codes=False).codes is None
     assert linear.RoutedLinear(weight, torch.zeros(64), kernel, packed=False).codes is None   # it adds no bias
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_bfloat16_rows_multiply_the_bfloat16_weights(kernel, kind):
+    # a bfloat16 model is its float32 GGUF weights rounded to bfloat16: the codes found on the float32
+    # weight give the bfloat16 one back bit for bit, and the kernel's bfloat16 product is oneDNN's
+    # (exact products, float32 sums) up to the order of the sums, rounded once
+    wide = _weight(kind, 80, 160, seed=7)
+    codes = quantized.find_codes(wide)
+    narrow = wide.to(torch.bfloat16)
+    assert codes.rounds_to(kernel, narrow)
+    assert not codes.rounds_to(kernel, (narrow.float() * 1.01).to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 8, 9, 40):
+        x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
+        got = codes.linear(kernel, x)
+        assert got.dtype == torch.bfloat16
+        want = (x.double() @ narrow.double().T).to(torch.bfloat16)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2 ** -7)
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, narrow).float(), atol=1e-3, rtol=2 ** -7)
+
+
+def test_bfloat16_routes_codes_for_few_rows_and_onednn_for_many(kernel, monkeypatch):
+    wide = _weight("q4_1", 64, 96, seed=5)
+    narrow = wide.to(torch.bfloat16)
+    routed = linear.RoutedLinear(narrow, None, kernel, packed=True, codes=quantized.find_codes(wide))
+    assert routed.codes is not None
+    assert routed.packed is not None or not linear.has_packed_bf16_gemm()
+    calls = []
+    real = kernel.coded_linear
+    monkeypatch.setattr(kernel, "coded_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    with torch.no_grad():
+        for rows in (1, linear.BF16_CODES_MAX_ROWS, linear.BF16_CODES_MAX_ROWS + 1, 300):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            torch.testing.assert_close(routed(x).float(), torch.nn.functional.linear(x, narrow).float(),
+                                       atol=1e-3, rtol=2 ** -7)
+    assert calls == [1, linear.BF16_CODES_MAX_ROWS] or routed.packed is None
+    # codes of another weight are not taken
+    other = quantized.find_codes(_weight("q4_1", 64, 96, seed=6))
+    assert linear.RoutedLinear(narrow, None, kernel, packed=True, codes=other).codes is None

@@ -66,6 +66,37 @@ def test_mixed_batch_short_prompt_runs_in_kernel_long_ones_in_reference(kernel, 
     assert extended == [limit + 1, limit + 20]
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
+def test_bfloat16_rows_are_the_float32_result_rounded_once(kernel, heads, kv_heads, head_dim):
+    # decode rows and short prompt runs over a bfloat16 pool: the kernel widens every value to float32,
+    # so its output is the float32 attention of the same (bfloat16) numbers, rounded once; SDPA in
+    # bfloat16 rounds its intermediate results and is further off
+    seq_lens, q_lens = [16, 40, 9, 130, 75], [1, 1, 9, 2, 1]
+    batch = PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+                       dtype=torch.bfloat16, device="cpu", seed=5)
+    out = attention.paged_attention(*batch.args())
+    assert out.dtype == torch.bfloat16
+    expected = dense_attention(batch).to(torch.bfloat16)   # float32 over the same bfloat16 numbers
+    # one rounding apart at most: float32 sums in another order may round to the neighbouring bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-5, rtol=2 ** -7)
+    assert (out == expected).float().mean() > 0.95
+
+
+def test_bfloat16_write_kv_copies_rows_bit_for_bit(kernel):
+    from ops import reference
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 4 * 8, generator=gen).to(torch.bfloat16)
+    k, v = qkv[:, :16].view(5, 2, 8), qkv[:, 16:].view(5, 2, 8)
+    slots = torch.tensor([7, -1, 0, 12, 3])
+    caches = [torch.zeros(4, 4, 2, 8, dtype=torch.bfloat16) for _ in range(4)]
+    kernel.write_kv(k, v, caches[0], caches[1], slots)
+    reference.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[1].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="the same for k, v and the caches"):
+        kernel.write_kv(k, v, caches[0].float(), caches[1].float(), slots)
+
+
 def test_query_as_the_model_hands_it_over_strided_heads(kernel):
     # the model's query arrives as [heads, tokens, dim] transposed to [tokens, heads, dim]
     batch = _batch(3, 12, 70, 9, 3, 64, 16)
@@ -93,7 +124,8 @@ def test_bad_block_id_is_an_error_not_a_crash(kernel):
 def test_backend_reports_the_kernel_and_its_fallbacks(kernel, monkeypatch):
     cpu = torch.device("cpu")
     assert attention.backend(cpu, torch.float32).startswith("cpu kernel")
-    assert attention.backend(cpu, torch.bfloat16).startswith("torch reference (the CPU kernel is float32 only")
+    assert attention.backend(cpu, torch.bfloat16).startswith("cpu kernel")
+    assert attention.backend(cpu, torch.float16).startswith("torch reference (the CPU kernel is float32 and bfloat16")
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
     assert attention.backend(cpu, torch.float32) == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
 
@@ -223,6 +255,42 @@ def test_fused_layer_ops_match_torch_operations(kernel, rows):
                                torch.nn.functional.silu(gate_up[:, :24]) * gate_up[:, 24:], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_bfloat16_fused_ops_round_where_transformers_rounds(kernel, rows):
+    # transformers' own bfloat16 modules as the reference: LlamaRMSNorm, apply_rotary_pos_emb, SiLU * up
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+    bf16 = torch.bfloat16
+    gen = torch.Generator().manual_seed(rows)
+    hidden, heads, kv_heads, dim = 40, 5, 1, 8
+    residual, x = (torch.randn(rows, hidden, generator=gen).to(bf16) for _ in range(2))
+    norm = LlamaRMSNorm(hidden, eps=1e-6).to(bf16)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(bf16)
+    expected_residual = residual + x
+    with torch.no_grad():
+        expected = norm(expected_residual)
+        got = kernel.add_rms_norm(residual, x, norm.weight.detach(), 1e-6)
+    assert torch.equal(residual, expected_residual)                  # the add in place, rounded alike
+    # the sum of squares in another order: at most one bfloat16 step apart, nearly always equal
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-3, rtol=2 ** -7)
+    assert (got == expected).float().mean() > 0.97
+
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(bf16)
+    q = qkv[:, :heads * dim].view(rows, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    cos, sin = torch.randn(rows, dim, generator=gen).to(bf16), torch.randn(rows, dim, generator=gen).to(bf16)
+    # transformers' layout: [batch, heads, tokens, dim], cos/sin [batch, tokens, dim]
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    q_out, k_out = kernel.rotary(q, k, cos, sin)
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1)) and torch.equal(k_out, k_ref[0].transpose(0, 1))
+
+    gate_up = torch.randn(rows, 2 * 40, generator=gen).to(bf16)    # two lanes of 16 plus a tail
+    expected = torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    got = kernel.silu_mul(gate_up)
+    assert got.dtype == bf16
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-3, rtol=2 ** -7)
+    assert (got == expected).float().mean() > 0.97
+
+
 @pytest.mark.parametrize("vocab", [1, 37, 49152])
 def test_greedy_logsumexp_is_torchs_max_first_index_and_logsumexp(kernel, vocab):
     from data_plane.sampler import greedy_logsumexp
@@ -244,9 +312,9 @@ def test_greedy_logsumexp_is_torchs_max_first_index_and_logsumexp(kernel, vocab)
 
 
 def test_fused_layer_ops_refuse_what_they_cannot_compute(kernel):
-    with pytest.raises(RuntimeError, match="residual must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="residual must be contiguous float32 or bfloat16"):
         kernel.add_rms_norm(torch.randn(4, 8, dtype=torch.float64), None, torch.randn(8), 1e-6)
-    with pytest.raises(RuntimeError, match="weight must be float32"):
+    with pytest.raises(RuntimeError, match="weight must be \\[hidden\\] of the residual's type"):
         kernel.add_rms_norm(torch.randn(4, 8), None, torch.randn(9), 1e-6)
     with pytest.raises(RuntimeError, match="cos and sin"):
         kernel.rotary(torch.randn(2, 3, 8), torch.randn(2, 1, 8), torch.randn(2, 4), torch.randn(2, 4))

@@ -56,9 +56,40 @@ def test_models_it_does_not_cover_keep_transformers_forward(change, reason):
     assert make_runner(model, swap_blocks=4).lean is None
 
 
-def test_a_bfloat16_llama_keeps_transformers_forward():
-    model = paged_model(seed=1).to(torch.bfloat16)
-    assert "bfloat16" in llama_forward.unsupported_reason(model)
+def test_bfloat16_lean_forward_samples_what_transformers_bfloat16_forward_samples():
+    # the same attention op and the same GEMM bits on both sides; the norms, rotary and SiLU in
+    # transformers' order and types: the lean forward changes nothing but the number of calls
+    prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8, 41, 2, 60], [77] * 13]
+    lean_runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, dtype="bfloat16")
+    hf_runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, lean_forward=False, dtype="bfloat16")
+    assert lean_runner.lean is not None and lean_runner.pool.dtype == torch.bfloat16
+    lean, hf = play_steps(lean_runner, prompts, steps=12), play_steps(hf_runner, prompts, steps=12)
+    assert [(s, t) for s, t, _, _ in lean] == [(s, t) for s, t, _, _ in hf]
+    for (_, _, lp_a, top_a), (_, _, lp_b, top_b) in zip(lean, hf):
+        assert lp_a == pytest.approx(lp_b, abs=2e-2)
+
+
+def test_bfloat16_lean_forward_gives_transformers_bfloat16_logits():
+    from data_plane.attention import StepContext
+    model = paged_model(seed=6).to(torch.bfloat16)
+    reference = paged_model(seed=6).to(torch.bfloat16)
+    reference.set_attn_implementation("sdpa")
+    lean = llama_forward.LlamaForward(model)
+    assert lean.layers[0].qkv.packed is not None or not torch.backends.mkldnn.is_available()
+    cfg = model.config
+    ids = torch.tensor([3, 17, 99, 4, 250, 7, 31, 64])
+    pool = torch.zeros(cfg.num_hidden_layers, 2, 4, 4, cfg.num_key_value_heads,
+                       cfg.hidden_size // cfg.num_attention_heads, dtype=torch.bfloat16)
+    ctx = StepContext(pool, torch.arange(8, dtype=torch.int64), torch.tensor([[0, 1]], dtype=torch.int32),
+                      torch.tensor([8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 8)
+    with torch.inference_mode():
+        got = model.get_output_embeddings()(lean(ids, torch.arange(8), ctx))
+        expected = reference(ids[None]).logits[0]
+    assert got.dtype == expected.dtype == torch.bfloat16
+    # SDPA rounds its probabilities to bfloat16, the paged kernel keeps them in float32: a few
+    # bfloat16 steps apart at most, and the same argmax
+    assert (got.float() - expected.float()).abs().max() < 0.05 * expected.float().abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 def test_another_architecture_keeps_transformers_forward():
@@ -97,3 +128,28 @@ def test_fused_kernels_give_torch_operations_numbers():
         got = fused(ids, positions, ctx)
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=2e-6)
     assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_bfloat16_gguf_model_is_narrowed_by_the_runner_and_reads_its_codes():
+    # load_model hands a GGUF model over in float32 when it is served in bfloat16: the runner finds the
+    # codes, narrows the model, and reads the codes for few rows; the tokens are those of the same
+    # bfloat16 model on oneDNN's GEMM alone
+    from data_plane.model_runner import ModelRunner
+    from ops import cpu_kernels
+    from shared.config import DataPlaneConfig
+    from tests.helpers import gguf_form_model
+    if cpu_kernels.load() is None:
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
+    prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8, 41, 2, 60], [77] * 13]
+    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=4, kv_cache_blocks=64, swap_blocks=4,
+                             dtype="bfloat16")
+    coded = ModelRunner(gguf_form_model(paged_model(seed=3)), config, torch.device("cpu"))
+    assert coded.model.dtype == torch.bfloat16 and coded.lean is not None
+    assert all(lin.codes is not None for lin in coded.lean.linears())
+    assert coded.model.get_output_embeddings().forward.codes.kind == "q8_0"
+    plain = make_runner(gguf_form_model(paged_model(seed=3)), num_blocks=64, swap_blocks=4, dtype="bfloat16")
+    assert all(lin.codes is None for lin in plain.lean.linears())
+    with_codes, without = play_steps(coded, prompts, steps=12), play_steps(plain, prompts, steps=12)
+    assert [(s, t) for s, t, _, _ in with_codes] == [(s, t) for s, t, _, _ in without]
+    for (_, _, lp_a, _), (_, _, lp_b, _) in zip(with_codes, without):
+        assert lp_a == pytest.approx(lp_b, abs=2e-2)
