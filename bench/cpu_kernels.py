@@ -83,7 +83,7 @@ def attention_rows(args, kernel):
                 return reference.paged_attention(*call, 1)
 
             def ker():
-                return attention._paged_attention_cpu(kernel, *call)
+                return attention.paged_attention_cpu(kernel, *call)
             diff = (ref() - ker()).abs().max().item()
             t_ref, t_ker = alternate(ref, ker, args.reps)
             C.progress(f"attention {batch} x {context}")

@@ -25,6 +25,7 @@ import torch
 from ops import cpu_kernels
 from ops import linear as linear_ops
 from ops import quantized
+from ops import attention as attention_ops
 from ops.attention import paged_attention, write_kv
 
 
@@ -142,6 +143,10 @@ class LlamaForward:
         # the fused norm/rotary/SiLU kernels when built, else torch's operations
         use_kernel = kernel is not None and _plain_silu(model) and fused
         self.ops = _KernelOps(act, kernel) if use_kernel else _TorchOps(act)
+        # attention's route, chosen once: the C++ kernel called directly (its own checks still run), or
+        # the dispatching ops (Triton when forced, the torch reference without the kernel)
+        weight = model.get_output_embeddings().weight
+        self.attention_kernel = attention_ops.cpu_kernel_for(weight.device, weight.dtype)
 
     def linears(self) -> list[linear_ops.RoutedLinear]:
         """Every layer's routed products (the output layer is not among them)."""
@@ -163,9 +168,15 @@ class LlamaForward:
             v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
             q, k = ops.rotary(q, k, cos, sin)
             cache = ctx.kv_pool[index]
-            write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
-            out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                  layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows)
+            if self.attention_kernel is not None:
+                self.attention_kernel.write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
+                out = attention_ops.paged_attention_cpu(self.attention_kernel, q, cache[0], cache[1], ctx.block_tables,
+                                                        ctx.seq_lens, ctx.query_start_loc, layer.scaling,
+                                                        work=ctx.kernel_rows)
+            else:
+                write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
+                out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                      layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows)
             x = ops.add_rms_norm(residual, layer.o(out.view(tokens, layer.q_size)), layer.post_norm.weight,
                                  layer.post_norm.variance_epsilon)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))

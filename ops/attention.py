@@ -56,6 +56,13 @@ def backend(device: torch.device, dtype: torch.dtype) -> str:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def cpu_kernel_for(device: torch.device, dtype: torch.dtype):
+    """The C++ kernel module when it serves attention for this device and dtype and Triton is not forced,
+    else None: a caller that asks once at start (the lean forward) can then call the kernel directly,
+    without this module's per-call checks and dispatch."""
+    return None if use_triton(device) else _cpu_kernel(device, dtype)
+
+
 def _cpu_kernel(device: torch.device, dtype: torch.dtype):
     if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         return None
@@ -119,8 +126,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                       scale, max_query_len, sliding_window=sliding_window, softcap=softcap)
     kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
     if kernel is not None:
-        return _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                    scale, sliding_window=sliding_window, softcap=softcap, work=kernel_rows)
+        return paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, sliding_window=sliding_window, softcap=softcap, work=kernel_rows)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len, sliding_window, softcap)
 
@@ -158,8 +165,8 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
                       lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist())
 
 
-def _paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                         sliding_window=None, softcap=None, work: KernelRows | None = None):
+def paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
+                        sliding_window=None, softcap=None, work: KernelRows | None = None):
     """The kernel's rows (decode rows and short prompt runs) straight from the blocks; longer prompt
     runs through the reference's causal SDPA over the gathered context."""
     out = torch.empty_like(query)

@@ -1,0 +1,69 @@
+"""Where the bfloat16 routes cross: every linear layer of SmolLM2's lean forward (120 products) at a
+given row count, through the kernel reading the GGUF codes and through oneDNN's packed GEMM.
+
+    python bench/route_rows.py                  # rows 1, 2, 4, 8, 12, 16, 24, 32
+
+The model is loaded in float32 and narrowed by the data plane's runner, as `--dtype bfloat16` serves
+it, so both routes multiply the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS is set from this.
+Best of three, each two passes over every layer (weights from memory, as in a step).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as C  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,12,16,24,32")
+    ap.add_argument("--num-threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    import torch
+
+    from data_plane.model_runner import ModelRunner
+    from shared.config import DataPlaneConfig, default_model_path
+    print(C.machine_line(args.num_threads))
+    model = C.load_hf_model(args.num_threads, device="cpu")
+    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://routes", dtype="bfloat16",
+                                                kv_cache_blocks=16), torch.device("cpu"))
+    layers = runner.lean.linears()
+    if any(lin.codes is None or lin.packed is None for lin in layers):
+        print("not run: some layer lacks its codes or oneDNN's packed weight")
+        return 1
+    kernel = layers[0].kernel
+
+    def time_route(route: str, rows: int) -> float:
+        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).bfloat16() for lin in layers}
+
+        def once():
+            for lin in layers:
+                x = inputs[lin.weight.shape[1]]
+                if route == "codes":
+                    lin.codes.linear(kernel, x)
+                else:
+                    torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        once()
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            once()
+            once()
+            best = min(best, (time.perf_counter() - started) / 2)
+        return best * 1e3
+
+    print(f"{'rows':>5} {'codes ms':>9} {'oneDNN ms':>10}")
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            print(f"{rows:>5} {time_route('codes', rows):>9.1f} {time_route('onednn', rows):>10.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
