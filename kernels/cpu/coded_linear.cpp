@@ -198,9 +198,64 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
   return Weights{codes.data_ptr(), scales.data_ptr<float>(), q4 ? mins->data_ptr<float>() : nullptr, K};
 }
 
+#ifdef PAGEDSERVE_AVX512
+// M <= kDirectRows rows of x against one group of 16 output rows, the weights expanded in registers and
+// used at once: no panel buffer to write and read back, which a step of one or two rows cannot amortize.
+// The same expansion and the same FMA chain over k in order as the panel's tiles, so the same bits.
+constexpr int64_t kDirectRows = 2;
+
+template <typename T, int M>
+void direct_group(const Weights& w, int64_t g, const T* x, T* y, int64_t N) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  const float* scales = w.scales + g * blocks * kGroup;
+  if (w.mins != nullptr) {
+    const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
+    const float* mins = w.mins + g * blocks * kGroup;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 d = _mm512_loadu_ps(scales + b * kGroup), m = _mm512_loadu_ps(mins + b * kGroup);
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
+        const __m512 lo = pagedserve::rounded16<T>(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d), m));
+        const __m512 hi = pagedserve::rounded16<T>(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d), m));
+        for (int r = 0; r < M; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j])), lo, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j + 1])), hi, acc[r]);
+        }
+      }
+    }
+  } else {
+    const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 d = _mm512_loadu_ps(scales + b * kGroup);
+      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
+        const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kGroup)));
+        const __m512 wv = pagedserve::rounded16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
+        for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + k])), wv, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) pagedserve::store16(y + r * N + g * kGroup, acc[r]);
+}
+#endif
+
 template <typename T>
 void coded_rows(const Weights& w, const T* xp, T* yp, int64_t M, int64_t groups) {
   const int64_t K = w.K, N = groups * kGroup;
+#ifdef PAGEDSERVE_AVX512
+  if (M >= 1 && M <= kDirectRows) {
+    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        if (M == 1) direct_group<T, 1>(w, g, xp, yp, N);
+        else direct_group<T, 2>(w, g, xp, yp, N);
+      }
+    });
+    return;
+  }
+#endif
   const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float* buf = panel_buffer(K);
