@@ -119,7 +119,7 @@ def main() -> None:
     bm = sched.bm
     snap = kv_blocks.of_engine(engine)
     print(f"device {bm.pool.num_blocks} blocks ({snap['device']['used']} used, {bm.num_shared_blocks} shared, "
-          f"{snap['device']['state'].count('c')} cached free), CPU {args.cpu_blocks} blocks "
+          f"{snap['device']['state'].count('C')} cached free), CPU {args.cpu_blocks} blocks "
           f"({snap['cpu']['used'] if snap['cpu'] else 0} used); {len(sched.running)} running, "
           f"{sum(len(g) for g in sched.swapped)} swapped, {len(sched.waiting)} waiting sequences")
     print(f"GET /debug/kv/blocks: {rounds[len(rounds) // 2] * 1e3:.3f} ms of CPU per call (median of {args.rounds} "

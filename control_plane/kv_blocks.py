@@ -6,7 +6,7 @@ One engine's answer (a Router's is {"replicas": [one such answer per replica]}):
 
     {"block_size": 16, "time": 1700000000.0,
      "device": {"blocks": 8, "used": 3,
-                "state": "131.cw..",      per block: its ref count, or why it is free (below)
+                "state": "131.CW..",      per block: its ref count, or why it is free (below)
                 "holder": "BwAAAAcAAAAIAAAA/////...",   per block a sequence holding it, -1 none
                 "shared": {"1": [7, 8, 9]}},           block id -> every holder, for ref count > 1
      "cpu": {...the same for the CPU swap pool...} or null without one,
@@ -18,8 +18,8 @@ One engine's answer (a Router's is {"replicas": [one such answer per replica]}):
                "preemptions": {"recompute", "swap"}}}
 
 Block state, one character per block: a held block's ref count ("1".."9", "a".."z" for 10..35, "+"
-above: its `shared` entry has every holder); a free block is "." (empty), "c" (it still holds a
-cached prefix, which a later prompt may reuse) or "w" (it left the sliding window of the sequence
+above: its `shared` entry has every holder); a free block is "." (empty), "C" (it still holds a
+cached prefix, which a later prompt may reuse) or "W" (it left the sliding window of the sequence
 that held it). `holder` is base64 of little-endian int32, one per block (the page decodes it into an
 Int32Array). Sequences are columns, one entry per sequence, running first, then waiting, then swapped;
 `tables` holds their block tables one after the other (base64 of little-endian int32, `table_len`
@@ -41,9 +41,8 @@ from operator import attrgetter
 
 from aiohttp import web
 
-FREE, CACHED, WINDOW, MANY = ".", "c", "w", "+"
+FREE, CACHED, WINDOW, MANY = ".", "C", "W", "+"   # never a character of REF_CHARS
 REF_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"   # a held block's ref count, when under 36
-SEQ_STATES = {"running": "r", "waiting": "w", "swapped": "s"}
 _block_id = attrgetter("block_id")
 
 

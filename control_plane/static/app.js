@@ -155,7 +155,7 @@
       this.grid.classList.toggle("dim", order !== null);
       for (let i = 0; i < pool.blocks; i++) {
         const c = pool.state[i];
-        const held = c !== "." && c !== "c" && c !== "w";
+        const held = c !== "." && c !== "C" && c !== "W";
         let holder = -1, ref = 0;
         if (held) {
           ref = refCount(pool, i);
@@ -169,8 +169,8 @@
         const cell = this.cells[i];
         let cls = "cell";
         if (held) cls += ref > 1 ? " held shared" : " held";
-        else if (c === "c") cls += " cached";
-        else if (c === "w") cls += " window";
+        else if (c === "C") cls += " cached";
+        else if (c === "W") cls += " window";
         if (logical !== null) cls += " hl";
         cell.className = cls;
         if (held) cell.style.setProperty("--c", colour(holder));
@@ -178,7 +178,7 @@
         cell.textContent = logical !== null ? logical.join(",") : (ref > 1 ? String(ref) : "");
         let tip = `block ${i}: `;
         if (held) tip += ref > 1 ? `shared by ${ref} sequences (${pool.shared[i].join(", ")})` : `held by sequence ${holder}`;
-        else tip += { ".": "free", "c": "free, holds a cached prefix", "w": "free, left the sliding window" }[c];
+        else tip += { ".": "free", "C": "free, holds a cached prefix", "W": "free, left the sliding window" }[c];
         if (logical !== null) tip += `; logical block ${logical.join(", ")} of the sequence`;
         cell.title = tip;
       }

@@ -91,8 +91,8 @@ def test_the_snapshot_is_the_block_managers_state_on_both_pools():
             assert dev["state"][i] == str(ref) and holder[i] in holders
             assert sorted(dev["shared"].get(str(i), holders)) == holders and (str(i) in dev["shared"]) == (ref > 1)
         else:
-            assert dev["state"][i] == ("c" if block.block_hash is not None else ".") and holder[i] == -1
-    assert dev["state"].count("c") == 2
+            assert dev["state"][i] == ("C" if block.block_hash is not None else ".") and holder[i] == -1
+    assert dev["state"].count("C") == 2
     assert dev["shared"]["0"] == sorted(dev["shared"]["0"]) and len(dev["shared"]["0"]) == 3
     cpu_holder = int32s(cpu["holder"])
     assert cpu["state"] == "11......"
@@ -108,12 +108,12 @@ def test_blocks_that_left_the_window_are_marked_and_ref_counts_past_35_are_spell
     s = seq(14, SeqStatus.RUNNING)
     bm.grow(s.seq_id, 14)
     bm.free_outside_window(s.seq_id, 14)                       # blocks 0 and 1 leave the window
-    forks = [seq(14, SeqStatus.RUNNING, sample=i) for i in range(1, 40)]
+    forks = [seq(14, SeqStatus.RUNNING, sample=i) for i in range(1, 40)]   # ref counts 12 and 32 ("c", "w")
     for f in forks:
         bm.fork(s.seq_id, f.seq_id)                            # blocks 2, 3: 40 holders each
     sched.running += [s, *forks]
     snap = kv_blocks.snapshot(sched, 0, 4)
-    assert snap["device"]["state"] == "ww++...."
+    assert snap["device"]["state"] == "WW++...."
     assert len(snap["device"]["shared"][2]) == 40
     assert tables_of(snap["seqs"])[s.seq_id] == [-1, -1, 2, 3]
     bm.grow(seq(4, SeqStatus.RUNNING).seq_id, 24)              # 4..7, then 0, 1 again: no longer window-freed
@@ -183,3 +183,11 @@ def test_no_ui_leaves_the_page_out_but_keeps_the_data():
         assert (await get(session, "/"))[0] == 401          # without the page, / is not public either
         assert (await get(session, "/debug/kv/blocks", KEY))[0] == 200
     serve(run, api_key=KEY, ui=False)
+
+
+def test_every_ref_count_has_its_own_character_apart_from_the_free_states():
+    chars = [chr(c) for c in kv_blocks._STATE_OF_REF]
+    assert chars[0] == kv_blocks.FREE and chars[36:] == [kv_blocks.MANY] * 220
+    assert chars[1:36] == list(kv_blocks.REF_CHARS[1:])
+    free_states = {kv_blocks.FREE, kv_blocks.CACHED, kv_blocks.WINDOW, kv_blocks.MANY}
+    assert len(free_states) == 4 and not free_states & set(chars[1:36])
