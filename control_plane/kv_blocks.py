@@ -27,17 +27,18 @@ entries each), each in logical order, -1 for a block that left the sliding windo
 sequence's table holds CPU-pool block ids.
 
 The page polls this at most twice a second; its cost at the default pool is in docs/observability.md
-(bench/kv_blocks_cost.py measures it): per-block and per-table-entry work is done in C where it can be
-(map, zip, dict.update, array, set.intersection), so that a full pool stays under a millisecond.
+(bench/kv_blocks_cost.py measures it): past reading the ref counts and the tables out of the block
+manager's objects, the per-block work is numpy's and bytes.translate's, so that a full pool stays
+around a millisecond.
 """
 from __future__ import annotations
 
 import base64
 import json
-import sys
 import time
-from array import array
 from operator import attrgetter
+
+import numpy as np
 
 from aiohttp import web
 
@@ -46,10 +47,8 @@ REF_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz"   # a held block's ref count,
 _block_id = attrgetter("block_id")
 
 
-def _int32_base64(values: array) -> str:
-    if sys.byteorder == "big":
-        values.byteswap()
-    return base64.b64encode(values.tobytes()).decode("ascii")
+def _base64(values: np.ndarray) -> str:
+    return base64.b64encode(values.astype("<i4", copy=False).tobytes()).decode("ascii")
 
 
 # bytes of ref counts (clamped to 255) -> state characters: 0 free, 1..35 the count, 36 and more MANY
@@ -57,11 +56,10 @@ _STATE_OF_REF = bytes((FREE + REF_CHARS[1:]).encode("ascii") + MANY.encode("asci
 _CACHED, _WINDOW = CACHED.encode("ascii")[0], WINDOW.encode("ascii")[0]
 
 
-def _states(pool, refs: list[int], with_window: bool) -> str:
-    """One character per block (see the top): in C from the ref counts, then a loop over the free
-    blocks that hold a cached prefix and, with a sliding window, over the free blocks."""
-    raw = bytes(refs) if max(refs) < 256 else bytes([min(r, 255) for r in refs])
-    state = bytearray(raw.translate(_STATE_OF_REF))
+def _states(pool, refs: np.ndarray, with_window: bool) -> str:
+    """One character per block (see the top): in C from the ref counts, then a loop over the free blocks
+    that hold a cached prefix and, with a sliding window, over the free blocks."""
+    state = bytearray(np.minimum(refs, 255).astype(np.uint8).tobytes().translate(_STATE_OF_REF))
     if pool.cached:
         for block_id in set(map(_block_id, pool.cached.values())).intersection(pool.free_block_ids()):
             state[block_id] = _CACHED
@@ -73,68 +71,62 @@ def _states(pool, refs: list[int], with_window: bool) -> str:
     return state.decode("ascii")
 
 
-def _pool(pool, tables: dict, out_tables: dict, with_window: bool = False) -> dict | None:
-    """The pool's blocks, and each table of `tables` as block ids (into `out_tables`)."""
+def _pool(pool, entries: np.ndarray, owners: np.ndarray, with_window: bool = False) -> dict | None:
+    """The pool's blocks; `entries` holds the block ids of every table on this pool (-1: a placeholder),
+    `owners` the sequence of each entry."""
     if pool is None:
         return None
-    blocks = pool.blocks
-    refs = [b.ref_count for b in blocks]
-    holder = array("i", [-1]) * len(blocks)
+    refs = np.array([b.ref_count for b in pool.blocks], dtype=np.int64)
+    live = entries >= 0
+    holder = np.full(len(refs), -1, dtype=np.int64)
+    holder[entries[live]] = owners[live]                 # the last of a shared block's holders
     shared: dict[int, list[int]] = {}
-    shared_ids = {i for i, r in enumerate(refs) if r > 1} if pool.num_shared else ()
-    for seq_id, table in tables.items():
-        if None in table:   # placeholders: blocks that left the sliding window
-            ids = [-1 if b is None else b.block_id for b in table]
-            for block_id in ids:
-                if block_id >= 0:
-                    holder[block_id] = seq_id
-        else:
-            ids = [b.block_id for b in table]
-            for block_id in ids:
-                holder[block_id] = seq_id
-        out_tables[seq_id] = ids
-        if shared_ids:
-            for block_id in shared_ids.intersection(ids):
-                holders = shared.get(block_id)
-                if holders is None:
-                    shared[block_id] = [seq_id]
-                else:
-                    holders.append(seq_id)
-    return {"blocks": len(blocks), "used": len(blocks) - pool.num_free, "state": _states(pool, refs, with_window),
-            "holder": _int32_base64(holder), "shared": shared}
-
-
-def _seqs(scheduler, device_tables: dict, cpu_tables: dict) -> dict:
-    seqs = [*scheduler.running, *scheduler.waiting]
-    swapped = [s for group in scheduler.swapped for s in group]
-    state = "r" * len(scheduler.running) + "w" * len(scheduler.waiting) + "s" * len(swapped)
-    seqs += swapped
-    flat: list[int] = []            # every table, one after the other
-    lengths = []
-    empty: list[int] = []
-    for s in seqs:
-        table = device_tables.get(s.seq_id) or cpu_tables.get(s.seq_id, empty)
-        flat += table
-        lengths.append(len(table))
-    return {"id": [s.seq_id for s in seqs], "request": [s.request_id for s in seqs],
-            "sample": [s.sample_index for s in seqs], "state": state,
-            "prompt": [s.num_prompt_tokens for s in seqs], "output": [s.num_output_tokens for s in seqs],
-            "table_len": lengths, "tables": _int32_base64(array("i", flat))}
+    if pool.num_shared:
+        sharing = live.copy()
+        sharing[live] = refs[entries[live]] > 1
+        for block_id, seq_id in zip(entries[sharing].tolist(), owners[sharing].tolist()):
+            holders = shared.get(block_id)
+            if holders is None:
+                shared[block_id] = [seq_id]
+            else:
+                holders.append(seq_id)
+    return {"blocks": len(refs), "used": len(refs) - pool.num_free, "state": _states(pool, refs, with_window),
+            "holder": _base64(holder), "shared": shared}
 
 
 def snapshot(scheduler, num_generated: int, block_size: int) -> dict:
     """One engine's pools, sequences and counters at this moment."""
     bm = scheduler.bm
-    device_tables: dict[int, list[int]] = {}
-    cpu_tables: dict[int, list[int]] = {}
-    device = _pool(bm.pool, bm.tables, device_tables, with_window=bm.sliding_window > 0)
-    cpu = _pool(bm.cpu_pool, bm.cpu_tables, cpu_tables)
+    on_device = [*scheduler.running, *scheduler.waiting]
+    swapped = [s for group in scheduler.swapped for s in group]
+    seqs = on_device + swapped
+    flat: list[int] = []            # every table, one after the other: the device's, then the CPU pool's
+    lengths = []
+    windowed = bm.sliding_window > 0
+    for tables, group in ((bm.tables, on_device), (bm.cpu_tables, swapped)):
+        for s in group:
+            table = tables.get(s.seq_id, ())
+            if windowed and None in table:   # placeholders: blocks that left the sliding window
+                flat += [-1 if b is None else b.block_id for b in table]
+            else:
+                flat += [b.block_id for b in table]
+            lengths.append(len(table))
+    entries = np.array(flat, dtype=np.int64)
+    owners = np.repeat(np.array([s.seq_id for s in seqs], dtype=np.int64), lengths)
+    split = sum(lengths[:len(on_device)])
     load = scheduler.load()
     stats = {"running": load.running, "waiting": load.waiting, "swapped": load.swapped,
              "kv_usage": load.kv_usage, "cpu_kv_usage": load.cpu_kv_usage, "generated_tokens": num_generated,
              "preemptions": {"recompute": scheduler.num_preemptions, "swap": scheduler.num_swap_preemptions}}
-    return {"block_size": block_size, "time": time.time(), "device": device, "cpu": cpu,
-            "seqs": _seqs(scheduler, device_tables, cpu_tables), "stats": stats}
+    return {"block_size": block_size, "time": time.time(),
+            "device": _pool(bm.pool, entries[:split], owners[:split], with_window=windowed),
+            "cpu": _pool(bm.cpu_pool, entries[split:], owners[split:]),
+            "seqs": {"id": [s.seq_id for s in seqs], "request": [s.request_id for s in seqs],
+                     "sample": [s.sample_index for s in seqs],
+                     "state": "r" * len(scheduler.running) + "w" * len(scheduler.waiting) + "s" * len(swapped),
+                     "prompt": [s.num_prompt_tokens for s in seqs], "output": [s.num_output_tokens for s in seqs],
+                     "table_len": lengths, "tables": _base64(entries)},
+            "stats": stats}
 
 
 def of_engine(engine) -> dict:
@@ -146,7 +138,7 @@ def of_engine(engine) -> dict:
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return json.dumps(obj, separators=(",", ":"), check_circular=False)
 
 
 def handler(engine):
