@@ -191,3 +191,11 @@ def test_every_ref_count_has_its_own_character_apart_from_the_free_states():
     assert chars[1:36] == list(kv_blocks.REF_CHARS[1:])
     free_states = {kv_blocks.FREE, kv_blocks.CACHED, kv_blocks.WINDOW, kv_blocks.MANY}
     assert len(free_states) == 4 and not free_states & set(chars[1:36])
+
+
+def test_a_router_answers_one_snapshot_per_replica():
+    from control_plane.router import Router
+    engines = [small_engine(num_blocks=8), small_engine(num_blocks=12)]
+    snap = kv_blocks.of_engine(Router(engines))
+    assert [r["device"]["blocks"] for r in snap["replicas"]] == [8, 12]
+    assert all(r["device"]["state"] == "." * r["device"]["blocks"] for r in snap["replicas"])
