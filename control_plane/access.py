@@ -22,12 +22,13 @@ def unavailable(message: str, code: str = "unavailable") -> web.Response:
     return resp
 
 
-def require_api_key(api_key: str):
+def require_api_key(api_key: str, also_public=None):
+    """`also_public(path)`: more paths that need no key (the built-in page, which asks for it)."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path not in PUBLIC_PATHS:
+        if request.path not in PUBLIC_PATHS and not (also_public and also_public(request.path)):
             # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes: turn them back
             # into the bytes sent (a wrong key, never a UnicodeEncodeError)
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")

@@ -10,7 +10,7 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control_plane import __version__, chat, tools
+from control_plane import __version__, chat, kv_blocks, page, tools
 from control_plane.access import error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
 from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
@@ -390,7 +390,7 @@ def make_app(engine: Engine) -> web.Application:
     api = Api(engine)
     middlewares = [request_ids, json_errors]
     if engine.config.api_key:
-        middlewares.append(require_api_key(engine.config.api_key))
+        middlewares.append(require_api_key(engine.config.api_key, page.is_public if engine.config.ui else None))
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app.router.add_post("/v1/completions", api.completions)
@@ -400,5 +400,8 @@ def make_app(engine: Engine) -> web.Application:
     app.router.add_get("/version", api.version)
     app.router.add_get("/metrics", api.metrics)
     app.router.add_get("/debug/kv", api.debug_kv)
+    app.router.add_get("/debug/kv/blocks", kv_blocks.handler(engine))
+    if engine.config.ui:
+        page.add_routes(app, key_required=bool(engine.config.api_key))
     app.router.add_get("/openapi.json", api.openapi)
     return app

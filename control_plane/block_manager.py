@@ -176,6 +176,7 @@ class BlockManager:
         for i in range(dead):   # front first: the oldest context goes first, like a prefix's tail last
             if table[i] is not None:
                 self.pool.free(table[i])
+                table[i].freed_by_window = table[i].ref_count == 0
                 table[i] = None
                 freed += 1
         self.num_window_freed += freed

@@ -18,6 +18,7 @@ class Block:
     block_hash: int | None = None          # set once the block is full and computed (prefix caching)
     # (parent block's hash, the block's tokens): compared on lookup so that a hash collision is a miss
     key: tuple | None = None
+    freed_by_window: bool = False          # free because it left the sliding window (GET /debug/kv/blocks)
 
 
 class BlockPool:
@@ -36,6 +37,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_block_ids(self):
+        """The free blocks' ids, least recently freed first (a live view: do not change the pool while
+        iterating it)."""
+        return self._free.keys()
+
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
@@ -50,6 +56,7 @@ class BlockPool:
             del self.cached[block.block_hash]
             block.block_hash = block.key = None
         block.ref_count = 1
+        block.freed_by_window = False
         return block
 
     def allocate_many(self, count: int) -> list[Block] | None:
@@ -61,6 +68,7 @@ class BlockPool:
     def incref(self, block: Block) -> None:
         if block.ref_count == 0:
             del self._free[block.block_id]
+            block.freed_by_window = False
         block.ref_count += 1
         if block.ref_count == 2:
             self.num_shared += 1

@@ -41,6 +41,8 @@ def _control_plane_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="plan each step while the data plane still computes the one before (overlap); "
                              "the outputs are the same")
+    parser.add_argument("--no-ui", dest="ui", action="store_false",
+                        help="do not serve the built-in page at / (the KV block map, charts, a chat playground)")
 
 
 def _serve(args: argparse.Namespace, spawn: bool) -> int:
@@ -62,7 +64,7 @@ def _serve(args: argparse.Namespace, spawn: bool) -> int:
                                   preemption_mode=args.preemption_mode, max_waiting=args.max_waiting,
                                   api_key=args.api_key, max_n=args.max_n, request_timeout=args.request_timeout,
                                   shutdown_grace=args.shutdown_grace, curve_keys=args.curve_keys,
-                                  async_scheduling=args.async_scheduling).validate()
+                                  async_scheduling=args.async_scheduling, ui=args.ui).validate()
         if not addresses and not spawn:
             raise C.ConfigError("control-plane needs --data-plane ADDRESS (or use 'pagedserve serve')")
         children = []

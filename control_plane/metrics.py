@@ -105,6 +105,7 @@ class EngineStats:
         self.step_time = histogram("pagedserve_step_duration_seconds",
                                    "Round trip of one step plan to the data plane and back", TOKEN_LATENCY_BUCKETS)
         self._generated_since_log = 0
+        self.num_generated = 0       # tokens generated since start (the page's tokens/s: /debug/kv/blocks)
         self._last_token_time: dict[int, float] = {}
         self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
         self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step
@@ -170,6 +171,7 @@ class EngineStats:
         self._last_token_time[seq.seq_id] = now
         self.generation_tokens.inc()
         self._generated_since_log += 1
+        self.num_generated += 1
 
     def on_seq_end(self, seq) -> None:
         """A sequence left the batch (its request may go on: parallel samples, beams)."""
@@ -180,6 +182,7 @@ class EngineStats:
         """Tokens handed out at the end rather than one by one (beam search)."""
         self.generation_tokens.inc(num_tokens)
         self._generated_since_log += num_tokens
+        self.num_generated += num_tokens
 
     def on_finish(self, seq, reason: str, num_output_tokens: int | None = None) -> None:
         """A request ended; `seq` is its first sequence, `num_output_tokens` what it returned."""

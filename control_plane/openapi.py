@@ -77,8 +77,8 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": __version__,
                  "description": f"OpenAI-compatible completions over PagedAttention, serving '{model_name}'. "
-                                "Every endpoint but /health and /metrics needs 'Authorization: Bearer KEY' "
-                                "when the server runs with --api-key."},
+                                "Every endpoint but /health, /metrics and the page (/) needs 'Authorization: "
+                                "Bearer KEY' when the server runs with --api-key."},
         "paths": {
             "/v1/completions": _generation("text completion", "#/components/schemas/CompletionRequest",
                                            "#/components/schemas/Completion"),
@@ -101,6 +101,14 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
                 "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/debug/kv": {"get": {"summary": "blocks in use, queues, block integrity",
                                   "responses": {"200": _json("", simple)}}},
+            "/debug/kv/blocks": {"get": {"summary": "every KV block's state, holders and ref count, and each "
+                                                    "sequence's block table, on the device and the CPU pool "
+                                                    "(the page's block map; format: control_plane/kv_blocks.py)",
+                                         "responses": {"200": _json("", simple)}}},
+            "/": {"get": {"summary": "the built-in page: KV block map, charts, chat playground (off with "
+                                     "--no-ui; needs no key, and asks for one)",
+                          "responses": {"200": {"description": "HTML", "content": {"text/html": {
+                              "schema": {"type": "string"}}}}}}},
             "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json("", simple)}}},
         },
         "components": {"schemas": {

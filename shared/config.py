@@ -132,6 +132,7 @@ class ControlPlaneConfig:
     shutdown_grace: float = 30.0       # on SIGTERM, seconds in-flight requests get to finish
     curve_keys: str | None = None      # key folder: talk CURVE to the data plane
     async_scheduling: bool = False     # plan step N+1 while the data plane runs step N (engine.step)
+    ui: bool = True                    # the built-in page at GET / (control_plane/page.py); --no-ui: off
 
     def validate(self) -> "ControlPlaneConfig":
         if self.max_num_seqs < 1:
