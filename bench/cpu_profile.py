@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
     print(C.machine_line(args.num_threads))
     print(C.cpu_check(args.num_threads))
-    model = C.load_hf_model(args.num_threads, device="cpu").to(getattr(torch, args.dtype))
+    model = C.load_hf_model(args.num_threads, device="cpu")   # the runner narrows it to --dtype
     ns = argparse.Namespace(batches=[args.batch], context=args.context, prefill=0, steps=args.steps, warmup=2)
     runner = RunnerSteps(model, ns, dtype=args.dtype)
     step = runner.steps(random.Random(0), f"decode {args.batch}", args.batch)

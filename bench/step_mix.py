@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     print(C.machine_line(args.num_threads))
     print(f"trace: {args.workload}, {C.describe_trace(trace)}, {args.dtype}")
     model = C.load_hf_model(args.num_threads, attn_implementation=attention.register(), device="cpu")
-    model = model.to(getattr(torch, args.dtype))   # the GGUF's values rounded once, as the loader's dtype does
+    # float32 as loaded: the runner narrows it to --dtype, after finding its GGUF codes (as load_model does)
     runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://mix", dtype=args.dtype),
                          torch.device("cpu"))
     cp = ControlPlaneConfig   # the class attributes are the defaults
