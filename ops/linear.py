@@ -35,10 +35,10 @@ from ops import cpu_kernels, quantized
 # measured on the runner's decode step, alternating (quiet machine): the kernel is even with the packed GEMM
 # up to 12 rows and 7% slower at 16; the packed GEMM is 1.10-1.14x F.linear at 32-64 rows
 SKINNY_MAX_ROWS = 8
-# bfloat16 weights that are GGUF codes: up to this many rows through the kernel reading the codes (one
-# row is bound by reading the weights), more through oneDNN's GEMM, whose bfloat16 dot products beat the
-# codes' expansion from 4 rows on (every product of SmolLM2, bench/route_rows.py)
-BF16_CODES_MAX_ROWS = 2
+# bfloat16 weights that are GGUF codes: up to this many rows through the kernel reading the codes (a few
+# rows are bound by reading the weights), more through oneDNN's GEMM, whose bfloat16 dot products beat
+# the codes' expansion from about 8 rows on (every product of SmolLM2: bench/route_rows.py)
+BF16_CODES_MAX_ROWS = 4
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 
 

@@ -200,9 +200,9 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 
 #ifdef PAGEDSERVE_AVX512
 // M <= kDirectRows rows of x against one group of 16 output rows, the weights expanded in registers and
-// used at once: no panel buffer to write and read back, which a step of one or two rows cannot amortize.
+// used at once: no panel buffer to write and read back, which a step of a few rows cannot amortize.
 // The same expansion and the same FMA chain over k in order as the panel's tiles, so the same bits.
-constexpr int64_t kDirectRows = 2;
+constexpr int64_t kDirectRows = 4;
 
 template <typename T, int M>
 void direct_group(const Weights& w, int64_t g, const T* x, T* y, int64_t N) {
@@ -249,8 +249,12 @@ void coded_rows(const Weights& w, const T* xp, T* yp, int64_t M, int64_t groups)
   if (M >= 1 && M <= kDirectRows) {
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        if (M == 1) direct_group<T, 1>(w, g, xp, yp, N);
-        else direct_group<T, 2>(w, g, xp, yp, N);
+        switch (M) {
+          case 1: direct_group<T, 1>(w, g, xp, yp, N); break;
+          case 2: direct_group<T, 2>(w, g, xp, yp, N); break;
+          case 3: direct_group<T, 3>(w, g, xp, yp, N); break;
+          default: direct_group<T, 4>(w, g, xp, yp, N); break;
+        }
       }
     });
     return;
