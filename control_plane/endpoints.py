@@ -57,7 +57,7 @@ class ModelEndpoints:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.engine.config.model_name:
+        if name not in self.engine.config.model_names:
             return error_response(404, f"The model '{name}' does not exist; this server serves "
                                   f"'{self.engine.config.model_name}'", param="model", code="model_not_found")
         return web.json_response(self._card())
