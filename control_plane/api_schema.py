@@ -49,7 +49,7 @@ def sampling_properties(max_n: int) -> dict:
     """Fields both endpoints share."""
     return {
         "model": {"type": ["string", "null"], "description": "must name the served model when given"},
-        "max_tokens": _int("tokens to generate at most; prompt + max_tokens must fit the context", 1),
+        "max_tokens": _int("tokens to generate at most; prompt + max_tokens must fit the context", 1, INT32_MAX),
         "temperature": _num("0 (or below 1e-5) is greedy", 0.0, 2.0),
         "top_p": _num("nucleus mass kept", 0.0, 1.0, exclusive_min=True),
         "n": _int(f"choices returned (at most {max_n}, the server's --max-n)", 1, max_n),
@@ -96,6 +96,8 @@ def completion_schema(max_n: int = 16) -> dict:
         **sampling_properties(max_n),
         "logprobs": _int("log-probabilities of the chosen token and this many alternatives", 0, MAX_LOGPROBS),
     }
+    props["max_tokens"] = _int("tokens to generate at most; prompt + max_tokens must fit the context; 0 scores "
+                               "the prompt only (with echo or prompt_logprobs)", 0, INT32_MAX)
     props.update(IGNORED_PROPERTIES)
     props.update(COMPLETION_EXTENSIONS)
     return {"type": "object", "required": ["prompt"], "properties": props, "additionalProperties": False}
@@ -115,7 +117,7 @@ def chat_schema(max_n: int = 16) -> dict:
     props = {
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
         **sampling_properties(max_n),
-        "max_completion_tokens": _int("the same as max_tokens (and preferred to it)", 1),
+        "max_completion_tokens": _int("the same as max_tokens (and preferred to it)", 1, INT32_MAX),
         "logprobs": _bool("return log-probabilities of the chosen tokens"),
         "top_logprobs": _int("alternatives per token, with logprobs: true", 0, MAX_LOGPROBS),
     }

@@ -40,7 +40,8 @@ STREAM_OPTIONS = _t(["object", "null"], "include_usage: a last chunk with the us
                                                         "continuous_usage_stats": {"type": ["boolean", "null"]}})
 
 LOGIT_BIAS = _t(["object", "null"], "token id (as a string) -> bias in [-100, 100] added to its logit",
-                additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
+                additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+                propertyNames={"pattern": "^[0-9]+$"}, maxProperties=300)
 
 # vLLM's sampling extensions, on both endpoints
 VLLM_SAMPLING = {
@@ -75,9 +76,20 @@ CHAT_EXTENSIONS = {
     "tool_choice": {"description": "'auto', 'none', 'required', or {type: function, function: {name}}",
                     "anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}, {"type": "null"}]},
     "response_format": {"description": "{type: text}, {type: json_object}, or {type: json_schema, json_schema: "
-                                       "{name, schema, strict}}", "anyOf": [{"type": "object"}, {"type": "null"}]},
-    "structured_outputs": _t(["object", "null"], "vLLM: one of {json, regex, choice, grammar}"),
-    "guided_json": {"description": "vLLM (older): a JSON schema the output follows"},
+                                       "{name, schema, strict}}", "anyOf": [
+                            {"type": "object", "required": ["type"],
+                             "properties": {"type": {"enum": ["text", "json_object"]}}},
+                            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                                "type": {"const": "json_schema"},
+                                "json_schema": {"type": "object", "required": ["schema"],
+                                                "properties": {"schema": {"type": ["object", "boolean"]}}}}},
+                            {"type": "null"}]},
+    "structured_outputs": _t(["object", "null"], "vLLM: one of {json, regex, choice, grammar}", properties={
+        "json": {"type": ["object", "boolean", "string", "null"]},
+        "regex": {"type": ["string", "null"], "minLength": 1}, "grammar": {"type": ["string", "null"], "minLength": 1},
+        "choice": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1}, "minItems": 1}}),
+    "guided_json": _t(["object", "boolean", "string", "null"], "vLLM (older): a JSON schema the output follows, "
+                      "or its JSON text"),
     "guided_regex": _t(["string", "null"], "vLLM (older): a regex the output matches", minLength=1),
     "guided_choice": _t(["array", "null"], "vLLM (older): the output is one of these strings",
                         items={"type": "string", "minLength": 1}, minItems=1),

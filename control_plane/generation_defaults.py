@@ -88,7 +88,9 @@ def load(model: str, choice: str) -> tuple[dict, str]:
     if choice != "auto":
         return _valid(_from_json(choice), choice), f"{choice}/generation_config.json"
     if os.path.isdir(model):
-        return _valid(_from_json(model), model), "the model's generation_config.json"
+        found = _valid(_from_json(model), model)
+        return found, ("the model's generation_config.json" if found else
+                       "none (the model's folder has no generation_config.json that sets them)")
     if not (model.endswith(".gguf") and os.path.isfile(model)):
         return {}, "none (no model file)"
     found = _valid(_from_gguf(model), model)

@@ -6,6 +6,7 @@ docs/ (a test checks that it is current).
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -60,6 +61,25 @@ PROMPT_LOGPROBS = {"type": "array", "description": "with prompt_logprobs: k (the
                        "decoded_token": {"type": "string"}}}}}
 
 
+def _bound_token_ids(schema: dict, vocab_size: int) -> dict:
+    """`schema` with a maximum on every token id of the prompt, stop_token_ids and allowed_token_ids."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0:
+                node["maximum"] = vocab_size - 1
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    for name in ("prompt", "stop_token_ids", "allowed_token_ids"):
+        if name in schema["properties"]:
+            walk(schema["properties"][name])
+    return schema
+
+
 def openapi_spec(max_n: int = 16, model_name: str = "model", vocab_size: int | None = None) -> dict:
     """`vocab_size`: token ids above it are declared invalid (a live server knows it; docs/openapi.json does not)."""
     choice_common = {"index": {"type": "integer"}, "finish_reason": FINISH_REASON,
@@ -79,6 +99,9 @@ def openapi_spec(max_n: int = 16, model_name: str = "model", vocab_size: int | N
             **choice_common, "message": {"type": "object", "properties": {
                 "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}}
     simple = {"type": "object"}
+
+    def requests(schema):
+        return _bound_token_ids(schema, vocab_size) if vocab_size else schema
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": __version__,
@@ -111,7 +134,8 @@ def openapi_spec(max_n: int = 16, model_name: str = "model", vocab_size: int | N
             "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json("", simple)}}},
         },
         "components": {"schemas": {
-            "CompletionRequest": completion_schema(max_n), "ChatCompletionRequest": chat_schema(max_n),
+            "CompletionRequest": requests(completion_schema(max_n)),
+            "ChatCompletionRequest": requests(chat_schema(max_n)),
             "TokenizeRequest": tokenize_schema(), "DetokenizeRequest": detokenize_schema(vocab_size),
             "Completion": completion, "ChatCompletion": chat, "Error": ERROR}},
     }
