@@ -53,10 +53,11 @@ def test_values_a_request_could_not_send_are_dropped(tmp_path):
     assert G.load(_gguf(tmp_path / "plain.gguf"), "auto")[0] == {}
 
 
-def test_the_default_model_gets_its_model_cards_settings_and_says_so():
+def test_the_default_model_is_greedy_unless_asked_and_says_why():
     cp = C.ControlPlaneConfig().validate()
-    assert G.for_config(cp) == {"temperature": 0.2, "top_p": 0.9}
-    assert "model card (not in its GGUF file)" in G.describe(cp)
+    assert G.for_config(cp) == {"temperature": 0.0}
+    assert "for the default model, whose GGUF file sets none" in G.describe(cp)
+    assert parse_sampling({"temperature": 0.7}, defaults=G.for_config(cp)).temperature == 0.7
     cp.generation_config = "vllm"
     assert G.for_config(cp) == {} and "temperature=1.0" in G.describe(cp)
 
