@@ -114,6 +114,11 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_ope
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise ValidationError(f"'{name}' must be {'a number' if kind is float else 'an integer'}", name, "invalid_type")
+    if kind is float and isinstance(value, int):   # JSON's 1e308 arrives as an int: a number field takes it
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ValidationError(f"'{name}' must be a finite number", name) from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ValidationError(f"'{name}' must be a finite number", name)
     if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
