@@ -63,7 +63,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                pass   # as OpenAI does, a model's malformed arguments are taken back as the string they were
+                raise ValidationError(f"{where}.tool_calls[{j}].function.arguments is not valid JSON",
+                                      "messages", "invalid_json") from None
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out

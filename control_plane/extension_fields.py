@@ -27,8 +27,8 @@ MESSAGE_PROPERTIES = {
                    "items": {"type": "object", "required": ["function"], "properties": {"function": {
                        "type": "object", "required": ["name"], "properties": {
                            "name": {"type": "string"},
-                           "arguments": {"description": "a JSON string (kept as it is when it does not parse) "
-                                                        "or an object", "type": ["string", "object"]}}}}}},
+                           "arguments": {"description": "the arguments as JSON text, or an object",
+                                         "type": ["string", "object"]}}}}}},
     "tool_call_id": {"type": ["string", "null"], "description": "the call a 'tool' message answers"},
     "refusal": {"type": ["string", "null"], "description": "accepted and ignored"},
     "function_call": {"type": ["object", "null"], "description": "accepted and ignored (deprecated)"},

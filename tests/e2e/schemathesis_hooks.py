@@ -15,6 +15,8 @@ CROSS_FIELD = {
     ("response_format", "invalid_grammar"),
     # guided_json given as text: the string must hold JSON, and that JSON a schema (an object or a boolean)
     ("guided_json", "invalid_json"), ("guided_json", "invalid_type"),
+    # likewise a tool call's arguments given as text must hold JSON
+    ("messages", "invalid_json"),
     # tool_choice needs tools, and a named one must be among them
     ("tool_choice", "invalid_value"),
     # the prompt (as the chat template renders it) plus max_tokens must fit the context and the KV pool
