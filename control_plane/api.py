@@ -10,8 +10,8 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control_plane import __version__, chat, kv_blocks, page, tools
-from control_plane.access import error_response, require_api_key, unavailable
+from control_plane import __version__, chat, generation_defaults, kv_blocks, page, tools
+from control_plane.access import RETRY_AFTER_SECONDS, error_response, require_api_key, unavailable
 from control_plane.api_schema import check_fields
 from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
 from control_plane.engine import SHUTDOWN_MESSAGE, Engine
@@ -32,16 +32,22 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 
 
 def _validation_response(exc: ValidationError) -> web.Response:
-    return error_response(400, exc.message, param=exc.param, code=exc.code)
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
 
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _number_of(text: str):
+    """JSON has one number type, and JSON Schema counts 2.0 as an integer: an integral number is an int."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def _strict_loads(text: str):
     """json.loads without NaN and Infinity, which are not JSON and would slip past range checks."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_number_of)
 
 
 def _check_text(value, where: str = "the body") -> None:
@@ -76,9 +82,9 @@ async def _read_json(request: web.Request) -> dict:
 
 def _check_model(engine: Engine, body: dict) -> None:
     model = body.get("model")
-    if model is not None and model != engine.config.model_name:
-        raise ValidationError(f"model '{model}' is not served here; this server serves "
-                              f"'{engine.config.model_name}'", "model", "model_not_found")
+    if model is not None and model not in engine.config.model_names:   # OpenAI's answer: 404 model_not_found
+        raise ValidationError(f"The model '{model}' does not exist; this server serves "
+                              f"'{engine.config.model_name}'", "model", "model_not_found", status=404)
 
 
 def _parse_prompts(engine: Engine, prompt) -> list[list[int]]:
@@ -118,8 +124,9 @@ def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
 class Api:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name)
+        self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name, engine.hs.vocab_size)
         self._fingerprint = system_fingerprint(engine.config.model_name)
+        self._sampling_defaults = generation_defaults.for_config(engine.config)   # --generation-config
 
     def _start(self, prompts: list[list[int]], params: SamplingParams, timeout: float | None) -> list[Request]:
         request_id = uuid.uuid4().hex
@@ -145,7 +152,7 @@ class Api:
             score_only = not chat and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
             params = parse_sampling({**body, "max_tokens": 1} if score_only else body,
                                     default_max_tokens=engine.hs.max_model_len if chat else 16,
-                                    max_n=engine.config.max_n, chat=chat)
+                                    max_n=engine.config.max_n, chat=chat, defaults=self._sampling_defaults)
             apply_extensions(body, params, engine.tokenizer, engine.hs.vocab_size)
             tool_mode = tools.parse_tool_choice(body) if chat else None
             params.constraint = tools.forced_constraint(tool_mode) or parse_constraint(body)
@@ -332,10 +339,11 @@ class Api:
         return resp
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.engine.draining:
-            return web.json_response({"status": "shutting down"}, status=503)
-        if not self.engine.data_plane_alive:
-            return web.json_response({"status": "data plane down"}, status=503)
+        status = ("shutting down" if self.engine.draining else
+                  "data plane down" if not self.engine.data_plane_alive else None)
+        if status is not None:   # a probe or a load balancer may come back after Retry-After
+            return web.json_response({"status": status}, status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return web.json_response({"status": "ok"})
 
     async def version(self, request: web.Request) -> web.Response:
@@ -370,7 +378,10 @@ async def json_errors(request: web.Request, handler):
         return not_found(request)
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return error_response(exc.status, exc.reason, code=str(exc.status))
+            resp = error_response(exc.status, exc.reason, code=str(exc.status))
+            if isinstance(exc, web.HTTPMethodNotAllowed):   # RFC 9110: a 405 names the methods the route takes
+                resp.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+            return resp
         raise
     except BodyTimeout as exc:
         return error_response(408, str(exc), code="body_timeout")

@@ -49,7 +49,7 @@ def sampling_properties(max_n: int) -> dict:
     """Fields both endpoints share."""
     return {
         "model": {"type": ["string", "null"], "description": "must name the served model when given"},
-        "max_tokens": _int("tokens to generate at most; prompt + max_tokens must fit the context", 1),
+        "max_tokens": _int("tokens to generate at most; prompt + max_tokens must fit the context", 1, INT32_MAX),
         "temperature": _num("0 (or below 1e-5) is greedy", 0.0, 2.0),
         "top_p": _num("nucleus mass kept", 0.0, 1.0, exclusive_min=True),
         "n": _int(f"choices returned (at most {max_n}, the server's --max-n)", 1, max_n),
@@ -96,26 +96,62 @@ def completion_schema(max_n: int = 16) -> dict:
         **sampling_properties(max_n),
         "logprobs": _int("log-probabilities of the chosen token and this many alternatives", 0, MAX_LOGPROBS),
     }
+    props["max_tokens"] = _int("tokens to generate at most; prompt + max_tokens must fit the context; 0 scores "
+                               "the prompt only (with echo or prompt_logprobs)", 0, INT32_MAX)
     props.update(IGNORED_PROPERTIES)
     props.update(COMPLETION_EXTENSIONS)
     return {"type": "object", "required": ["prompt"], "properties": props, "additionalProperties": False}
 
 
 MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False,
-           "properties": MESSAGE_PROPERTIES}
+           "properties": MESSAGE_PROPERTIES,
+           # content, unless an assistant message calls tools; a tool message names the call it answers
+           "anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                     {"required": ["tool_calls"], "properties": {"role": {"const": "assistant"},
+                                                                 "tool_calls": {"type": "array", "minItems": 1}}}],
+           "if": {"properties": {"role": {"const": "tool"}}},
+           "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}}
 
 
 def chat_schema(max_n: int = 16) -> dict:
     props = {
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
         **sampling_properties(max_n),
-        "max_completion_tokens": _int("the same as max_tokens (and preferred to it)", 1),
+        "max_completion_tokens": _int("the same as max_tokens (and preferred to it)", 1, INT32_MAX),
         "logprobs": _bool("return log-probabilities of the chosen tokens"),
         "top_logprobs": _int("alternatives per token, with logprobs: true", 0, MAX_LOGPROBS),
     }
     props.update(IGNORED_PROPERTIES)
     props.update(CHAT_EXTENSIONS)
-    return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False}
+    return {"type": "object", "required": ["messages"], "properties": props, "additionalProperties": False,
+            **CONTINUE_RULE}
+
+
+# continue_final_message continues the last message, so the generation prompt (on by default) must be off
+CONTINUE_RULE = {"if": {"required": ["continue_final_message"],
+                        "properties": {"continue_final_message": {"const": True}}},
+                 "then": {"required": ["add_generation_prompt"],
+                          "properties": {"add_generation_prompt": {"const": False}}}}
+
+
+def tokenize_schema() -> dict:
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template (other fields are ignored)."""
+    chat = chat_schema()["properties"]
+    flag = {"type": ["boolean", "null"]}
+    return {"anyOf": [
+        {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": {"type": "string"}, "add_special_tokens": flag, "return_token_strs": flag}},
+        {"type": "object", "required": ["messages"], "properties": {
+            "messages": chat["messages"], "tools": chat["tools"], "return_token_strs": flag,
+            **{k: chat[k] for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")}},
+         **CONTINUE_RULE}]}
+
+
+def detokenize_schema(vocab_size: int | None = None) -> dict:
+    ids = {"type": "integer", "minimum": 0}
+    if vocab_size:
+        ids["maximum"] = vocab_size - 1
+    return {"type": "object", "required": ["tokens"], "properties": {"tokens": {"type": "array", "items": ids}}}
 
 
 # OpenAI fields that cannot change the answer: accepted and ignored (usage is always in the stream)

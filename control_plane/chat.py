@@ -56,6 +56,9 @@ def _tool_calls(calls, where: str) -> list[dict]:
             raise ValidationError(f"{where}.tool_calls[{j}] needs a 'function' with a string 'name'",
                                   "messages", "invalid_type")
         args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise ValidationError(f"{where}.tool_calls[{j}].function.arguments must be a JSON string or an object",
+                                  "messages", "invalid_type")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -80,14 +83,19 @@ def normalize_messages(messages) -> list[dict]:
         if extra:
             raise ValidationError(f"{where} has unknown field(s) {', '.join(map(repr, extra))}", "messages",
                                   "unknown_field")
+        for key, kind in (("refusal", str), ("reasoning_content", str), ("function_call", dict)):
+            if not isinstance(m.get(key), (kind, type(None))):   # ignored, but of the type OpenAI gives them
+                raise ValidationError(f"{where}.{key} must be {'a string' if kind is str else 'an object'} or null",
+                                      "messages", "invalid_type")
         role = m.get("role")
         if role not in ROLES:
             raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", "messages",
                                   "invalid_type")
         content = _text_of(m.get("content"), where)
         msg: dict = {"role": "system" if role == "developer" else role}
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        calls = _tool_calls(m["tool_calls"], where) if m.get("tool_calls") is not None else []
+        if role == "assistant" and calls:
+            msg["tool_calls"] = calls
         elif content is None:
             raise ValidationError(f"{where} needs a 'content' (only an assistant message with tool_calls may "
                                   "leave it out)", "messages", "invalid_type")
@@ -114,7 +122,8 @@ def template_options(body: dict) -> dict:
     if gen and cont:
         raise ValidationError("'continue_final_message' continues the last message, so it cannot be used with "
                               "'add_generation_prompt' (set that to false)", "continue_final_message")
-    extra = body.get("chat_template_kwargs") or {}
+    extra = body.get("chat_template_kwargs")
+    extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise ValidationError("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
     reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
@@ -160,6 +169,9 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None, options: d
     if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
         raise ValidationError("'continue_final_message' needs the last message to be the assistant's",
                               "continue_final_message")
+    if tools is not None:
+        from control_plane.tools import check_tools
+        check_tools(tools)   # before the template sees them
     if not template_knows_tools(tokenizer):
         messages, tools = fold_tools(messages, tools), None
     try:

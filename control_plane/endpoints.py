@@ -10,7 +10,7 @@ from aiohttp import web
 from control_plane import __version__, chat
 from control_plane.access import error_response
 from control_plane.request_options import drop_nulls, request_id
-from control_plane.sampling_params import ValidationError
+from control_plane.sampling_params import ValidationError, flag
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
@@ -57,7 +57,7 @@ class ModelEndpoints:
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.engine.config.model_name:
+        if name not in self.engine.config.model_names:
             return error_response(404, f"The model '{name}' does not exist; this server serves "
                                   f"'{self.engine.config.model_name}'", param="model", code="model_not_found")
         return web.json_response(self._card())
@@ -81,7 +81,7 @@ class ModelEndpoints:
                 raise ValidationError("send a string 'prompt' or a list of chat 'messages'", "prompt",
                                       "invalid_type")
             answer = {"count": len(ids), "max_model_len": self.engine.hs.max_model_len, "tokens": ids}
-            if body.get("return_token_strs"):
+            if flag(body, "return_token_strs"):
                 answer["token_strs"] = tok.convert_ids_to_tokens(ids)
             return web.json_response(answer)
         except ValidationError as exc:

@@ -20,9 +20,15 @@ MESSAGE_PROPERTIES = {
              "description": "'developer' is taken as 'system'"},
     "content": {"description": "a string, a list of text parts (joined with newlines), or null for an "
                                "assistant message with tool_calls",
-                "anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]},
+                "anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [{"type": "string"}, TEXT_PART]}},
+                          {"type": "null"}]},
     "name": {"type": ["string", "null"], "description": "passed to the chat template"},
-    "tool_calls": {"type": ["array", "null"], "description": "an assistant's earlier calls, for the template"},
+    "tool_calls": {"type": ["array", "null"], "description": "an assistant's earlier calls, for the template",
+                   "items": {"type": "object", "required": ["function"], "properties": {"function": {
+                       "type": "object", "required": ["name"], "properties": {
+                           "name": {"type": "string"},
+                           "arguments": {"description": "the arguments as JSON text, or an object",
+                                         "type": ["string", "object"]}}}}}},
     "tool_call_id": {"type": ["string", "null"], "description": "the call a 'tool' message answers"},
     "refusal": {"type": ["string", "null"], "description": "accepted and ignored"},
     "function_call": {"type": ["object", "null"], "description": "accepted and ignored (deprecated)"},
@@ -34,16 +40,18 @@ STREAM_OPTIONS = _t(["object", "null"], "include_usage: a last chunk with the us
                                                         "continuous_usage_stats": {"type": ["boolean", "null"]}})
 
 LOGIT_BIAS = _t(["object", "null"], "token id (as a string) -> bias in [-100, 100] added to its logit",
-                additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
+                additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+                propertyNames={"pattern": "^[0-9]+$"}, maxProperties=300)
 
 # vLLM's sampling extensions, on both endpoints
 VLLM_SAMPLING = {
     "include_stop_str_in_output": _t(["boolean", "null"], "keep the matched stop string in the text"),
     "skip_special_tokens": _t(["boolean", "null"], "drop special tokens from the text (default true)"),
     "spaces_between_special_tokens": _t(["boolean", "null"], "accepted; the tokenizer's decoding decides"),
-    "allowed_token_ids": _t(["array", "null"], "sample only among these token ids",
-                            items={"type": "integer", "minimum": 0}),
-    "bad_words": _t(["array", "null"], "words (strings) never generated", items={"type": "string"}),
+    "allowed_token_ids": _t(["array", "null"], "sample only among these token ids (at least one)",
+                            items={"type": "integer", "minimum": 0}, minItems=1, maxItems=65536),
+    "bad_words": _t(["array", "null"], "words (strings) never generated", items={"type": "string", "minLength": 1},
+                    maxItems=100),
     "truncate_prompt_tokens": _t(["integer", "null"], "keep only the prompt's last k tokens", minimum=1),
     "logit_bias": LOGIT_BIAS,
     "prompt_logprobs": _t(["integer", "null"], "each prompt token's log-prob (null for the first), rank and this "
@@ -56,10 +64,10 @@ COMPLETION_EXTENSIONS = {
                                     "logprobs is set: the first is null; with max_tokens 0 this scores the prompt)"),
 }
 
-TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+TOOL = {"type": "object", "required": ["function"], "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "description": {"type": "string"},
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
         "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}
 
 CHAT_EXTENSIONS = {
@@ -68,13 +76,24 @@ CHAT_EXTENSIONS = {
     "tool_choice": {"description": "'auto', 'none', 'required', or {type: function, function: {name}}",
                     "anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}, {"type": "null"}]},
     "response_format": {"description": "{type: text}, {type: json_object}, or {type: json_schema, json_schema: "
-                                       "{name, schema, strict}}", "anyOf": [{"type": "object"}, {"type": "null"}]},
-    "structured_outputs": _t(["object", "null"], "vLLM: one of {json, regex, choice, grammar}"),
-    "guided_json": {"description": "vLLM (older): a JSON schema the output follows"},
-    "guided_regex": _t(["string", "null"], "vLLM (older): a regex the output matches"),
+                                       "{name, schema, strict}}", "anyOf": [
+                            {"type": "object", "required": ["type"],
+                             "properties": {"type": {"enum": ["text", "json_object"]}}},
+                            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                                "type": {"const": "json_schema"},
+                                "json_schema": {"type": "object", "required": ["schema"],
+                                                "properties": {"schema": {"type": ["object", "boolean"]}}}}},
+                            {"type": "null"}]},
+    "structured_outputs": _t(["object", "null"], "vLLM: one of {json, regex, choice, grammar}", properties={
+        "json": {"type": ["object", "boolean", "string", "null"]},
+        "regex": {"type": ["string", "null"], "minLength": 1}, "grammar": {"type": ["string", "null"], "minLength": 1},
+        "choice": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1}, "minItems": 1}}),
+    "guided_json": _t(["object", "boolean", "string", "null"], "vLLM (older): a JSON schema the output follows, "
+                      "or its JSON text"),
+    "guided_regex": _t(["string", "null"], "vLLM (older): a regex the output matches", minLength=1),
     "guided_choice": _t(["array", "null"], "vLLM (older): the output is one of these strings",
-                        items={"type": "string"}),
-    "guided_grammar": _t(["string", "null"], "vLLM (older): an EBNF grammar (xgrammar's dialect)"),
+                        items={"type": "string", "minLength": 1}, minItems=1),
+    "guided_grammar": _t(["string", "null"], "vLLM (older): an EBNF grammar (xgrammar's dialect)", minLength=1),
     "chat_template_kwargs": _t(["object", "null"], "extra variables for the chat template"),
     "add_generation_prompt": _t(["boolean", "null"], "end the prompt with the assistant's header (default true)"),
     "continue_final_message": _t(["boolean", "null"], "continue the last (assistant) message instead of "

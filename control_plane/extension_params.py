@@ -3,6 +3,8 @@
 spaces_between_special_tokens, truncate_prompt_tokens), checked and put on the SamplingParams."""
 from __future__ import annotations
 
+import re
+
 from control_plane.sampling_params import SamplingParams, ValidationError, flag
 
 MAX_LOGIT_BIAS_ENTRIES = 300   # OpenAI's limit
@@ -26,10 +28,9 @@ def parse_logit_bias(body: dict, vocab_size: int) -> list[tuple[int, float]]:
                               "logit_bias")
     out = []
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ValidationError(f"'logit_bias' key {key!r} is not a token id", "logit_bias", "invalid_type") from None
+        if not re.fullmatch("[0-9]+", key):   # digits only: int() would also take " 5", "+5" and "5_0"
+            raise ValidationError(f"'logit_bias' key {key!r} is not a token id", "logit_bias", "invalid_type")
+        token = int(key)
         _token_id(token, "logit_bias", vocab_size)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ValidationError(f"'logit_bias' of token {key} must be a number in [-100, 100]", "logit_bias")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ class SpawnedDataPlane:
 
     def __init__(self, config: C.DataPlaneConfig):
         self.cmd = [sys.executable, "-m", "data_plane", *C.data_plane_argv(config)]
+        self.address = config.listen
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
@@ -57,9 +59,20 @@ class SpawnedDataPlane:
                 ask()
             try:
                 self.proc.wait(timeout=timeout)
-                return
+                break
             except subprocess.TimeoutExpired:
                 pass
+        remove_ipc_file(self.address)
+
+
+def remove_ipc_file(address: str) -> None:
+    """Deletes the socket file of an ipc:// address whose process has exited (one killed, or one
+    whose socket was not closed, leaves it behind)."""
+    if address.startswith("ipc://"):
+        try:
+            os.unlink(address[len("ipc://"):])
+        except FileNotFoundError:
+            pass
 
 
 def spawn(args, num: int) -> tuple[list[str], list[SpawnedDataPlane]]:

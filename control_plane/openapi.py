@@ -6,11 +6,12 @@ docs/ (a test checks that it is current).
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
 from control_plane import __version__
-from control_plane.api_schema import chat_schema, completion_schema
+from control_plane.api_schema import chat_schema, completion_schema, detokenize_schema, tokenize_schema
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -31,6 +32,10 @@ def _json(description: str, schema: dict) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _body(ref: str) -> dict:
+    return {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}
+
+
 def _generation(summary: str, body_ref: str, response_ref: str) -> dict:
     return {"post": {
         "summary": summary,
@@ -42,6 +47,7 @@ def _generation(summary: str, body_ref: str, response_ref: str) -> dict:
                                 "text/event-stream": {"schema": {"type": "string"}}}},
             "400": _error("bad input: the message says what to fix"),
             "401": _error("missing or wrong API key (with --api-key)"),
+            "404": _error("model_not_found: 'model' names another model than the one served"),
             "413": _error("the body is over 4 MiB"),
             "503": _error("overloaded, shutting down, or the data plane is restarting; see Retry-After"),
             "504": _error("the request's deadline (timeout, --request-timeout) passed"),
@@ -55,7 +61,27 @@ PROMPT_LOGPROBS = {"type": "array", "description": "with prompt_logprobs: k (the
                        "decoded_token": {"type": "string"}}}}}
 
 
-def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
+def _bound_token_ids(schema: dict, vocab_size: int) -> dict:
+    """`schema` with a maximum on every token id of the prompt, stop_token_ids and allowed_token_ids."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0:
+                node["maximum"] = vocab_size - 1
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    for name in ("prompt", "stop_token_ids", "allowed_token_ids"):
+        if name in schema["properties"]:
+            walk(schema["properties"][name])
+    return schema
+
+
+def openapi_spec(max_n: int = 16, model_name: str = "model", vocab_size: int | None = None) -> dict:
+    """`vocab_size`: token ids above it are declared invalid (a live server knows it; docs/openapi.json does not)."""
     choice_common = {"index": {"type": "integer"}, "finish_reason": FINISH_REASON,
                      "logprobs": {"type": ["object", "null"]},
                      "token_ids": {"type": "array", "items": {"type": "integer"},
@@ -73,6 +99,9 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
             **choice_common, "message": {"type": "object", "properties": {
                 "role": {"const": "assistant"}, "content": {"type": "string"}}}}}}}}
     simple = {"type": "object"}
+
+    def requests(schema):
+        return _bound_token_ids(schema, vocab_size) if vocab_size else schema
     return {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": __version__,
@@ -90,9 +119,10 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
                 {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json("the model", simple), "404": _error("not served here")}}},
             "/tokenize": {"post": {"summary": "vLLM's tokenize: {prompt} or {messages} -> {tokens, count, "
-                                              "max_model_len}", "responses": {"200": _json("", simple),
-                                                                             "400": _error("bad input")}}},
+                                              "max_model_len}", "requestBody": _body("#/components/schemas/TokenizeRequest"),
+                                   "responses": {"200": _json("", simple), "400": _error("bad input")}}},
             "/detokenize": {"post": {"summary": "vLLM's detokenize: {tokens} -> {prompt}",
+                                     "requestBody": _body("#/components/schemas/DetokenizeRequest"),
                                      "responses": {"200": _json("", simple), "400": _error("bad input")}}},
             "/health": {"get": {"summary": "200 when requests can be served", "responses": {
                 "200": _json("ok", simple), "503": _json("data plane down, or shutting down", simple)}}},
@@ -112,7 +142,9 @@ def openapi_spec(max_n: int = 16, model_name: str = "model") -> dict:
             "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _json("", simple)}}},
         },
         "components": {"schemas": {
-            "CompletionRequest": completion_schema(max_n), "ChatCompletionRequest": chat_schema(max_n),
+            "CompletionRequest": requests(completion_schema(max_n)),
+            "ChatCompletionRequest": requests(chat_schema(max_n)),
+            "TokenizeRequest": tokenize_schema(), "DetokenizeRequest": detokenize_schema(vocab_size),
             "Completion": completion, "ChatCompletion": chat, "Error": ERROR}},
     }
 

@@ -26,11 +26,11 @@ MAX_STOP_TOKEN_IDS = 1024   # the sampler bans them row by row; beams ask for (1
 
 
 class ValidationError(ValueError):
-    """Bad input: becomes HTTP 400 with the offending parameter named."""
+    """Bad input: becomes HTTP 400 (or `status`) with the offending parameter named."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value", status: int = 400):
         super().__init__(message)
-        self.message, self.param, self.code = message, param, code
+        self.message, self.param, self.code, self.status = message, param, code, status
 
 
 @dataclass
@@ -114,6 +114,11 @@ def _number(body: dict, name: str, default, kind=float, lo=None, hi=None, lo_ope
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise ValidationError(f"'{name}' must be {'a number' if kind is float else 'an integer'}", name, "invalid_type")
+    if kind is float and isinstance(value, int):   # JSON's 1e308 arrives as an int: a number field takes it
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ValidationError(f"'{name}' must be a finite number", name) from None
     if isinstance(value, float) and not math.isfinite(value):
         raise ValidationError(f"'{name}' must be a finite number", name)
     if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
@@ -135,22 +140,26 @@ def flag(body: dict, name: str) -> bool:
     return value
 
 
-def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, chat: bool = False) -> SamplingParams:
+def parse_sampling(body: dict, default_max_tokens: int = 16, max_n: int = 16, chat: bool = False,
+                   defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's values of temperature, top_p, top_k, min_p and repetition_penalty for a
+    request that leaves them out (control_plane.generation_defaults)."""
+    d = defaults or {}
     max_tokens_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     p = SamplingParams()
     p.max_tokens = _number(body, max_tokens_key, default_max_tokens, int, lo=1, hi=INT32_MAX)
-    p.temperature = _number(body, "temperature", 1.0, float, lo=0.0, hi=2.0)
+    p.temperature = _number(body, "temperature", d.get("temperature", 1.0), float, lo=0.0, hi=2.0)
     if p.temperature < GREEDY_TEMPERATURE:
         p.temperature = 0.0   # 1e-308 would divide the logits into inf and NaN: it means greedy
-    p.top_p = _number(body, "top_p", 1.0, float, lo=0.0, hi=1.0, lo_open=True)
-    p.top_k = _number(body, "top_k", -1, int, lo=-1, hi=INT32_MAX)
-    p.min_p = _number(body, "min_p", 0.0, float, lo=0.0, hi=1.0)
+    p.top_p = _number(body, "top_p", d.get("top_p", 1.0), float, lo=0.0, hi=1.0, lo_open=True)
+    p.top_k = _number(body, "top_k", d.get("top_k", -1), int, lo=-1, hi=INT32_MAX)
+    p.min_p = _number(body, "min_p", d.get("min_p", 0.0), float, lo=0.0, hi=1.0)
     seed = body.get("seed")
     if seed is not None:
         p.seed = _number(body, "seed", None, int, lo=0, hi=2**63 - 1)
     p.presence_penalty = _number(body, "presence_penalty", 0.0, float, lo=-2.0, hi=2.0)
     p.frequency_penalty = _number(body, "frequency_penalty", 0.0, float, lo=-2.0, hi=2.0)
-    p.repetition_penalty = _number(body, "repetition_penalty", 1.0, float, lo=MIN_REPETITION_PENALTY,
+    p.repetition_penalty = _number(body, "repetition_penalty", d.get("repetition_penalty", 1.0), float, lo=MIN_REPETITION_PENALTY,
                                    hi=MAX_REPETITION_PENALTY)
     p.min_tokens = _number(body, "min_tokens", 0, int, lo=0, hi=INT32_MAX)
     p.priority = _number(body, "priority", 0, int, lo=-(2**31), hi=2**31 - 1)

@@ -67,7 +67,11 @@ async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Ev
                               shutdown_timeout=SHUTDOWN_WRITE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, cp.host, cp.port).start()
-    log.info("serving %s on http://%s:%d%s", cp.model_name, cp.host, cp.port, what)
+    from control_plane import generation_defaults
+    names = " or ".join(f"'{n}'" for n in cp.model_names)
+    log.info("serving on http://%s:%d%s; clients name the model %s (--served-model-name sets it)", cp.host,
+             cp.port, what, names)
+    log.info("%s", generation_defaults.describe(cp))
 
     engine_task = asyncio.create_task(engine.run())
     stop_task = asyncio.create_task(stop.wait())

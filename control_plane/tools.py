@@ -27,8 +27,8 @@ class ToolMode:
     name: str | None = None # the forced function, for "named"
 
 
-def _functions(body: dict) -> list[dict]:
-    tools = body.get("tools") or []
+def check_tools(tools) -> list[dict]:
+    """Each tool's name and parameters; raises ValidationError for a malformed list."""
     if not isinstance(tools, list):
         raise ValidationError("'tools' must be a list", "tools", "invalid_type")
     out = []
@@ -37,12 +37,20 @@ def _functions(body: dict) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValidationError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}", "tools",
                                   "invalid_type")
+        if not isinstance(fn.get("strict"), (bool, type(None))) or not isinstance(fn.get("description", ""), str):
+            raise ValidationError(f"tools[{i}].function: 'strict' must be true or false and 'description' a string",
+                                  "tools", "invalid_type")
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise ValidationError(f"tools[{i}].function.parameters must be a JSON schema object", "tools",
                                   "invalid_type")
         out.append({"name": fn["name"], "parameters": params})
     return out
+
+
+def _functions(body: dict) -> list[dict]:
+    tools = body.get("tools")
+    return check_tools([] if tools is None else tools)
 
 
 def parse_tool_choice(body: dict) -> ToolMode | None:

@@ -10,9 +10,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from shared import config as C
     parser = argparse.ArgumentParser(prog="pagedserve data-plane", description="pagedserve data plane")
-    C.add_model_args(parser)
-    C.add_data_plane_args(parser)
-    parser.add_argument("--listen", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
+    C.add_settings(parser, C.DATA_PLANE)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s data-plane: %(message)s")
     try:

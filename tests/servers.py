@@ -77,6 +77,9 @@ class Server:
                "--data-plane-metrics-port", "0"]
         if swap_space_gib is not None:   # before `args`, so that a test's own swap setting wins
             cmd += ["--swap-space-gib", str(swap_space_gib)]
+        # the tests were written against neutral request defaults (temperature 1); those of the model's
+        # generation config are tested where a test passes --generation-config itself
+        cmd += ["--generation-config", "vllm"]
         cmd += args
         if log_interval is not None:
             cmd += ["--log-interval", str(log_interval)]
