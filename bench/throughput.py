@@ -384,36 +384,45 @@ def names(args) -> dict[str, str]:
             "l": "(l) llama.cpp llama-server, Q4_1 GGUF" + ("" if args.single else ", best -np")}
 
 
-def report_throughput(args, trace, runs, failures) -> None:
-    useful = sum(r.output_len for r in trace)
+def rows(args, runs, failures):
+    """(key, dtype, the row's label, its run) in table order; a system that did not run gets its
+    'not run' row printed here instead."""
     name = names(args)
-    print(f"\n{'system':<52} {'dtype':<9} {'seconds':>9} {'output tok/s':>13}")
-    rate = {}
     for dtype in [*args.dtypes, LLAMA]:
         for key in args.systems:
+            label = f"{name[key]:<52} {dtype:<9}"
             if (key == "l") != (dtype == LLAMA):
                 continue
             if (key, dtype) in runs:
-                run = runs[key, dtype]
-                produced = sum(len(o) for o in run.outputs)
-                assert produced == useful, f"{name[key]} produced {produced} tokens, the trace asks {useful}"
-                rate[key, dtype] = useful / run.seconds
-                print(f"{name[key]:<52} {dtype:<9} {run.seconds:>9.1f} {rate[key, dtype]:>13.1f}"
-                      f"{'  ' + run.note if run.note else ''}")
+                yield key, dtype, label, runs[key, dtype]
             elif (key, dtype) in failures:
-                print(f"{name[key]:<52} {dtype:<9} not run: {failures[key, dtype]}")
-    print()
+                print(f"{label} not run: {failures[key, dtype]}")
+
+
+def print_ratios(args, figure: dict, goals, what: str = "ratio") -> None:
+    """(a)'s figure over each anchor's, per dtype; goals: (anchor key, goal or None, remark) per dtype."""
     for dtype in args.dtypes:
-        if ("a", dtype) not in rate:
-            continue
-        goals = [("b", dtype, GOAL_VS_STATIC, ""), ("c", dtype, GOAL_VS_HF_CB, ""),
-                 ("v", dtype, GOAL_VS_VLLM.get(dtype), ""),
-                 ("l", LLAMA, GOAL_VS_LLAMA_BATCHED, " (issue [15]'s goal is on exp64)")]
-        for key, their, goal, where in goals:
-            if (key, their) in rate:
-                ratio = rate["a", dtype] / rate[key, their]
-                verdict = f"  (goal >= {goal:g}{where}: {'met' if ratio >= goal else 'not met'})" if goal else ""
-                print(f"ratio (a)/({key}) {dtype}: {ratio:.2f}{verdict}")
+        for key, goal, remark in goals(dtype):
+            their = (key, LLAMA if key == "l" else dtype)
+            if ("a", dtype) in figure and their in figure:
+                ratio = figure["a", dtype] / figure[their]
+                verdict = f"  (goal >= {goal:g}{remark}: {'met' if ratio >= goal else 'not met'})" if goal else ""
+                print(f"{what} (a)/({key}) {dtype}: {ratio:.2f}{verdict}")
+
+
+def report_throughput(args, trace, runs, failures) -> None:
+    useful = sum(r.output_len for r in trace)
+    print(f"\n{'system':<52} {'dtype':<9} {'seconds':>9} {'output tok/s':>13}")
+    rate = {}
+    for key, dtype, label, run in rows(args, runs, failures):
+        produced = sum(len(o) for o in run.outputs)
+        assert produced == useful, f"{label.strip()} produced {produced} tokens, the trace asks {useful}"
+        rate[key, dtype] = useful / run.seconds
+        print(f"{label} {run.seconds:>9.1f} {rate[key, dtype]:>13.1f}{'  ' + run.note if run.note else ''}")
+    print()
+    print_ratios(args, rate, lambda dtype: [("b", GOAL_VS_STATIC, ""), ("c", GOAL_VS_HF_CB, ""),
+                                            ("v", GOAL_VS_VLLM.get(dtype), ""),
+                                            ("l", GOAL_VS_LLAMA_BATCHED, " (issue [15]'s goal is on exp64)")])
     report_tokens(args, runs, len(trace), lambda run: run.outputs)
 
 
@@ -443,30 +452,18 @@ def report_tokens(args, runs, count: int, outputs_of) -> None:
 
 
 def report_single(args, req, runs, failures) -> None:
-    name = names(args)
     print(f"\none request: {len(req.prompt_ids)} prompt tokens, {req.output_len} output tokens, "
           f"best of {args.single_repeats} (each figure on its own)")
     print(f"{'system':<52} {'dtype':<9} {'TTFT ms':>8} {'decode ms/tok':>14} {'decode tok/s':>13} {'overall tok/s':>14}")
     decode = {}
-    for dtype in [*args.dtypes, LLAMA]:
-        for key in args.systems:
-            if (key == "l") != (dtype == LLAMA):
-                continue
-            if (key, dtype) in runs:
-                one = runs[key, dtype]
-                assert len(one.tokens) == req.output_len, f"{name[key]}: {len(one.tokens)} tokens"
-                decode[key, dtype] = 1 / one.decode
-                print(f"{name[key]:<52} {dtype:<9} {1000 * one.ttft:>8.1f} {1000 * one.decode:>14.2f} "
-                      f"{1 / one.decode:>13.1f} {req.output_len / one.total:>14.1f}{'  ' + one.note if one.note else ''}")
-            elif (key, dtype) in failures:
-                print(f"{name[key]:<52} {dtype:<9} not run: {failures[key, dtype]}")
+    for key, dtype, label, one in rows(args, runs, failures):
+        assert len(one.tokens) == req.output_len, f"{label.strip()}: {len(one.tokens)} tokens"
+        decode[key, dtype] = 1 / one.decode
+        print(f"{label} {1000 * one.ttft:>8.1f} {1000 * one.decode:>14.2f} {1 / one.decode:>13.1f} "
+              f"{req.output_len / one.total:>14.1f}{'  ' + one.note if one.note else ''}")
     print()
-    for dtype in args.dtypes:
-        for key, their, goal in (("b", dtype, None), ("v", dtype, None), ("l", LLAMA, GOAL_VS_LLAMA_SINGLE)):
-            if ("a", dtype) in decode and (key, their) in decode:
-                ratio = decode["a", dtype] / decode[key, their]
-                verdict = f"  (goal >= {goal:g}: {'met' if ratio >= goal else 'not met'})" if goal else ""
-                print(f"decode ratio (a)/({key}) {dtype}: {ratio:.2f}{verdict}")
+    print_ratios(args, decode, lambda dtype: [("b", None, ""), ("v", None, ""), ("l", GOAL_VS_LLAMA_SINGLE, "")],
+                 "decode ratio")
     report_tokens(args, runs, 1, lambda one: [one.tokens])
 
 
