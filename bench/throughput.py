@@ -390,7 +390,7 @@ def rows(args, runs, failures):
     name = names(args)
     for dtype in [*args.dtypes, LLAMA]:
         for key in args.systems:
-            label = f"{name[key]:<52} {dtype:<9}"
+            label = f"{name[key]:<58} {dtype:<9}"
             if (key == "l") != (dtype == LLAMA):
                 continue
             if (key, dtype) in runs:
@@ -412,7 +412,7 @@ def print_ratios(args, figure: dict, goals, what: str = "ratio") -> None:
 
 def report_throughput(args, trace, runs, failures) -> None:
     useful = sum(r.output_len for r in trace)
-    print(f"\n{'system':<52} {'dtype':<9} {'seconds':>9} {'output tok/s':>13}")
+    print(f"\n{'system':<58} {'dtype':<9} {'seconds':>9} {'output tok/s':>13}")
     rate = {}
     for key, dtype, label, run in rows(args, runs, failures):
         produced = sum(len(o) for o in run.outputs)
@@ -454,7 +454,7 @@ def report_tokens(args, runs, count: int, outputs_of) -> None:
 def report_single(args, req, runs, failures) -> None:
     print(f"\none request: {len(req.prompt_ids)} prompt tokens, {req.output_len} output tokens, "
           f"best of {args.single_repeats} (each figure on its own)")
-    print(f"{'system':<52} {'dtype':<9} {'TTFT ms':>8} {'decode ms/tok':>14} {'decode tok/s':>13} {'overall tok/s':>14}")
+    print(f"{'system':<58} {'dtype':<9} {'TTFT ms':>8} {'decode ms/tok':>14} {'decode tok/s':>13} {'overall tok/s':>14}")
     decode = {}
     for key, dtype, label, one in rows(args, runs, failures):
         assert len(one.tokens) == req.output_len, f"{label.strip()}: {len(one.tokens)} tokens"
