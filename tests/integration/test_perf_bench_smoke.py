@@ -29,19 +29,53 @@ def number_after(pattern: str, text: str) -> float:
 
 @pytest.mark.slow
 def test_throughput_quick():
-    out = run_bench("throughput.py")
+    out = run_bench("throughput.py", "--dtypes", "float32", "--llama-np", "2")
     for system in ("(a) pagedserve", "(b) transformers generate", "(c) transformers continuous batching"):
         assert system in out, out
-    assert number_after(r"\(a\) pagedserve, REST API, all requests at once\s+[0-9.]+", out) > 0
-    assert number_after(r"ratio \(a\)/\(b\):", out) > 0
+    assert number_after(r"\(a\) pagedserve, REST API, all requests at once\s+float32\s+[0-9.]+", out) > 0
+    assert number_after(r"ratio \(a\)/\(b\) float32:", out) > 0
     # (c) either ran and has a ratio, or the output says why it could not run
-    assert "ratio (a)/(c):" in out or "(c) transformers continuous batching (generation thread)" \
-        " not run:" in out, out
-    # (v) vLLM either ran or says why not (its venv is set up by bench/vllm_setup.sh, not by CI)
-    assert "ratio (a)/(v):" in out or re.search(r"\(v\) vLLM CPU build.* not run: .*vllm_setup", out), out
+    assert "ratio (a)/(c) float32:" in out or re.search(r"\(c\) transformers continuous batching.* not run:", out), out
+    # the anchors either ran or say why not (bench/vllm_setup.sh and bench/llamacpp_setup.sh set them up, not CI)
+    assert "ratio (a)/(v) float32:" in out or re.search(r"\(v\) vLLM CPU build.* not run: .*vllm_setup", out), out
+    assert "ratio (a)/(l) float32:" in out or re.search(r"\(l\) llama.cpp.* not run: .*llamacpp_setup", out), out
     # greedy float32 on prompts of equal length (no padding): the same tokens as transformers
-    assert "token check (a) vs (b): 0 of 8 requests differ" in out, out
+    assert "token check (a) vs (b) float32: 0 of 8 requests differ" in out, out
     assert "cpu check" in out and "machine:" in out
+
+
+def throughput_module():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import throughput
+    finally:
+        sys.path.pop(0)
+    return throughput
+
+
+def test_throughput_arguments():
+    parse = throughput_module().parse_args
+    args = parse(["--dtypes", "float32,bfloat16", "--llama-np", "8,16", "--systems", "av"])
+    assert args.dtypes == ["float32", "bfloat16"] and args.llama_np == [8, 16] and args.systems == "av"
+    assert parse(["--dtype", "bfloat16"]).dtypes == ["bfloat16"]
+    single = parse(["--single"])
+    assert single.single and (single.single_prompt_len, single.single_output_len) == (57, 133)
+    for bad in (["--dtypes", "float32,int8"], ["--systems", "ax"], ["--llama-np", "0"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+@pytest.mark.parametrize("mode", [[], ["--single"]])
+def test_throughput_absent_anchors(mode):
+    """Anchors that are not set up are reported with the script that sets them up; the run does not fail."""
+    env = {**os.environ, "PAGEDSERVE_VLLM_VENV": "/nonexistent", "PAGEDSERVE_LLAMACPP_DIR": "/nonexistent"}
+    cmd = [sys.executable, os.path.join("bench", "throughput.py"), "--quick", "--num-threads", "1",
+           "--systems", "vl", "--dtypes", "float32,bfloat16", *mode]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    for dtype in ("float32", "bfloat16"):
+        assert re.search(rf"\(v\) vLLM CPU build.*{dtype}\s+not run: .*run bench/vllm_setup.sh", done.stdout), done.stdout
+    assert re.search(r"\(l\) llama.cpp.*not run: .*run bench/llamacpp_setup.sh", done.stdout), done.stdout
 
 
 @pytest.mark.slow
