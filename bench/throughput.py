@@ -188,7 +188,7 @@ def llama_client(url: str) -> Client:
 def _session():
     import aiohttp
     # limit=0: aiohttp's default of 100 connections would hold back the rest of the trace
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=6 * 3600))
 
 
