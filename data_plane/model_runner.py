@@ -54,7 +54,7 @@ def load_model(config: DataPlaneConfig, device: torch.device):
     # a GGUF file served in bfloat16 on the CPU is loaded in float32 first, where its weights are still
     # exactly their codes (ModelRunner finds them, then narrows the model: the same bfloat16 values
     # as loading it in bfloat16)
-    wide_first = gguf_file is not None and config.dtype != "float32" and config.gguf_codes and device.type == "cpu"
+    wide_first = gguf_file is not None and config.dtype == "bfloat16" and config.gguf_codes and device.type == "cpu"
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=gguf_file, dtype=torch.float32 if wide_first else getattr(torch, config.dtype),
@@ -72,9 +72,9 @@ def load_model(config: DataPlaneConfig, device: torch.device):
 class ModelRunner:
     def __init__(self, model, config: DataPlaneConfig, device: torch.device):
         self.dtype = getattr(torch, config.dtype)
-        # a float32 model to be served narrower (load_model): its GGUF codes are found while it is float32
-        wide_codes = quantized.codes_by_module(model) \
-            if model.dtype != self.dtype and config.gguf_codes and device.type == "cpu" else None
+        # a float32 model to be served in bfloat16 (load_model): its GGUF codes are found while it is float32
+        wide_codes = quantized.codes_by_module(model) if model.dtype == torch.float32 and \
+            self.dtype == torch.bfloat16 and config.gguf_codes and device.type == "cpu" else None
         model = model.to(self.dtype)
         self.model = model
         self.device = device
@@ -121,7 +121,7 @@ class ModelRunner:
         compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
-        # a Llama-shaped float32 CPU model runs the lean forward; its linear layers, and every other
+        # a Llama-shaped float32 or bfloat16 CPU model runs the lean forward; its linear layers, and every other
         # model's, are routed: weights that are exactly GGUF codes expanded through the kernel reading
         # the codes, others by row count: few rows through the kernel, more through prepacked GEMM
         codes = config.gguf_codes if wide_codes is None else wide_codes

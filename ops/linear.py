@@ -79,7 +79,8 @@ class RoutedLinear:
         elif wide:
             self.codes = quantized.find_codes(weight)
         else:
-            self.codes = codes if isinstance(codes, quantized.Codes) and codes.rounds_to(self.kernel, weight) else None
+            self.codes = codes if weight.dtype == torch.bfloat16 and isinstance(codes, quantized.Codes) \
+                and codes.rounds_to(self.kernel, weight) else None
         # bfloat16 keeps oneDNN's copy for many rows beside the codes; float32 codes serve every row count
         self.packed = _pack(weight) if packed and (self.codes is None or not wide) else None
         self.skinny_max_rows = skinny_max_rows

@@ -57,14 +57,11 @@ class Codes:
         return Codes(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
 
     def rounds_to(self, kernel, weight: torch.Tensor) -> bool:
-        """Whether these codes, expanded to float32 and rounded to `weight`'s type, give `weight` bit for
-        bit (a bfloat16 model cast from the float32 one the codes were found in)."""
+        """Whether these codes, expanded to float32 and rounded to bfloat16, give the bfloat16 `weight`
+        bit for bit (a bfloat16 model cast from the float32 one the codes were found in)."""
         wide = kernel.coded_expand(self.codes, self.scales, self.mins)
-        if wide.shape != weight.shape:
-            return False
-        narrow = wide.to(weight.dtype)
-        return torch.equal(narrow.view(torch.int16), weight.detach().view(torch.int16)) \
-            if weight.element_size() == 2 else torch.equal(narrow, weight)
+        return wide.shape == weight.shape and \
+            torch.equal(wide.to(torch.bfloat16).view(torch.int16), weight.detach().view(torch.int16))
 
 
 def find_codes(weight: torch.Tensor) -> Codes | None:

@@ -118,6 +118,12 @@ class Page:
             self.page.mouse.move(1, 1)   # off the sequence list, which now lies under the dialog's button
         self.wait_snapshots(1)
 
+    def __enter__(self) -> "Page":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def snapshots(self) -> int:
         return int(self.page.get_attribute("#map-panel", "data-snapshots"))
 
@@ -169,8 +175,7 @@ def completions(server: Server, bodies: list[dict], key: str | None = None) -> c
 
 
 def test_the_page_asks_for_the_key_then_draws_the_pools_without_console_errors(browser, keyed):
-    tab = Page(browser, keyed, KEY)
-    try:
+    with Page(browser, keyed, KEY) as tab:
         tab.wait_snapshots(3)                             # it keeps polling, with the key
         assert tab.count(".grid.device .cell") == 512 and tab.count(".grid.cpu .cell") == 64
         assert tab.count(".grid.device .cell.held") == 0
@@ -182,13 +187,10 @@ def test_the_page_asks_for_the_key_then_draws_the_pools_without_console_errors(b
             c.getContext('2d').getImageData(0, 0, c.width, c.height).data.every(v => v === 0))""")
         assert blank == [False] * 4
         assert tab.errors == []
-    finally:
-        tab.close()
 
 
 def test_a_chat_answer_streams_with_its_ttft_and_tokens_per_second(browser, keyed):
-    tab = Page(browser, keyed, KEY)
-    try:
+    with Page(browser, keyed, KEY) as tab:
         p = tab.page
         # how often the answer's text changed in a separate task: more than once means it streamed
         p.evaluate("""() => { window.__updates = 0;
@@ -208,13 +210,10 @@ def test_a_chat_answer_streams_with_its_ttft_and_tokens_per_second(browser, keye
         assert float(match[3]) > 0
         assert p.evaluate("window.__updates") > 3         # the user turn, the answer box, then the text in parts
         assert p.text_content("#chat-error") == "" and tab.errors == []
-    finally:
-        tab.close()
 
 
 def test_the_map_is_the_pool_during_a_shared_prefix_parallel_sampling_batch(browser, keyed):
-    tab = Page(browser, keyed, KEY)
-    try:
+    with Page(browser, keyed, KEY) as tab:
         p = tab.page
         bodies = [{"prompt": PREFIX + [2000 + i, 2100 + i, 2200 + i, 2300 + i], "n": 3, "max_tokens": 400,
                    "ignore_eos": True, "temperature": 1.0, "seed": i} for i in range(4)]
@@ -256,13 +255,10 @@ def test_the_map_is_the_pool_during_a_shared_prefix_parallel_sampling_batch(brow
                 f.write(png)
         assert tab.errors == []
         assert [status for status, _ in batch.result(timeout=300)] == [200] * 4
-    finally:
-        tab.close()
 
 
 def test_swapped_sequences_move_to_the_cpu_grid_and_back(browser, small):
-    tab = Page(browser, small)                               # no --api-key here: no question asked
-    try:
+    with Page(browser, small) as tab:                        # no --api-key here: no question asked
         p = tab.page
         assert not p.locator("#key-dialog").is_visible()
         bodies = [{"prompt": [3000 + 7 * i + j for j in range(20)], "max_tokens": 300, "ignore_eos": True,
@@ -280,13 +276,10 @@ def test_swapped_sequences_move_to_the_cpu_grid_and_back(browser, small):
         # back, and then done: every cell of both grids is free again
         wait_until(p, "document.querySelectorAll('.grid .cell.held').length === 0", 30)
         assert tab.errors == []
-    finally:
-        tab.close()
 
 
 def test_markup_from_the_model_and_the_user_is_shown_as_text_and_runs_nothing(browser, keyed):
-    tab = Page(browser, keyed, KEY)
-    try:
+    with Page(browser, keyed, KEY) as tab:
         p = tab.page
         markup = "<script>window.__ran = 1</script><img src=x onerror=\"window.__ran = 2\">"
         # a schema whose only valid answer is that markup (as a JSON string): the model must output it
@@ -302,5 +295,3 @@ def test_markup_from_the_model_and_the_user_is_shown_as_text_and_runs_nothing(br
         p.wait_for_timeout(300)                            # an image's onerror would have run by now
         assert p.evaluate("window.__ran") is None
         assert p.text_content("#chat-error") == "" and tab.errors == []
-    finally:
-        tab.close()
