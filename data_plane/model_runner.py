@@ -80,6 +80,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.block_size
         self.triton = attention_ops.use_triton(device)
+        self._arange = torch.arange(64, dtype=torch.int64, device=device)
         if self.triton and self.block_size < MIN_TRITON_BLOCK_SIZE:
             raise ConfigError(f"--block-size {self.block_size} is for the CPU path; the Triton kernels "
                               f"({device}) need {MIN_TRITON_BLOCK_SIZE} or more")
@@ -257,10 +258,20 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         if not self.triton:   # the CPU kernel's rows, once for every layer of the step
-            ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
+            if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
+                ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,
+                                                           ctx.seq_lens, [])
+            else:
+                ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows
+
+    def _row_ids(self, n: int) -> torch.Tensor:
+        """0 .. n - 1 as int64, sliced from one tensor kept between steps."""
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), dtype=torch.int64, device=self.device)
+        return self._arange[:n]
 
     def _check_freed(self, seq_id: int, table: list[int], begin: int) -> None:
         """Freed entries may only be blocks that no query of this step, from position `begin` on, reads:
