@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
+from data_plane import attention, block_tables, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -32,6 +32,7 @@ class SeqState:
     num_computed_tokens: int
     block_ids: list[int]
     sampling: SamplingSpec
+    row: int = -1        # its row of the runner's BlockTables
 
 
 class PlanError(ValueError):
@@ -70,7 +71,7 @@ def load_model(config: DataPlaneConfig, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, model, config: DataPlaneConfig, device: torch.device):
+    def __init__(self, model, config: DataPlaneConfig, device: torch.device, sample=sampler.sample):
         self.dtype = getattr(torch, config.dtype)
         # a float32 model to be served in bfloat16 (load_model): its GGUF codes are found while it is float32
         wide_codes = quantized.codes_by_module(model) if model.dtype == torch.float32 and \
@@ -117,8 +118,8 @@ class ModelRunner:
         self.sliding_window = support.freeable_window
         self.model_id = config.model
         self.seqs: dict[int, SeqState] = {}
-        self._prompt_scores: list = []   # the step's prompt log-probs (data_plane/prompt_logprobs.py)
-        self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
+        self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
+        self.sample = sample   # (logits, SampleRows) -> draws per row: sampler.sample, or a tensor-parallel rank's
         compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
@@ -166,7 +167,9 @@ class ModelRunner:
     def _apply_plan(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Updates the sequence table; returns (seq_id, num_new_tokens) in plan order."""
         for seq_id in plan.forget_seq_ids:
-            self.seqs.pop(seq_id, None)
+            gone = self.seqs.pop(seq_id, None)
+            if gone is not None:
+                self.tables.release(gone.row)
         scheduled = []
         for new in plan.new_seqs:
             self._add(new)
@@ -177,6 +180,7 @@ class ModelRunner:
                 raise PlanError(f"plan continues unknown sequence {cached.seq_id}")
             self._check_blocks(cached.new_block_ids)
             self._check_tokens(cached.seq_id, cached.new_token_ids)
+            self.tables.extend(state.row, len(state.block_ids), cached.new_block_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
             for index, block in cached.remaps:
@@ -185,6 +189,7 @@ class ModelRunner:
                     raise PlanError(f"sequence {cached.seq_id}: remap of table entry {index} of "
                                     f"{len(state.block_ids)}")
                 state.block_ids[index] = block
+                self.tables.remap(state.row, index, block)
             scheduled.append((cached.seq_id, cached.num_new_tokens))
         return scheduled
 
@@ -196,8 +201,11 @@ class ModelRunner:
     def _add(self, new: NewSequence) -> None:
         self._check_blocks(new.block_ids, table=True)
         self._check_tokens(new.seq_id, new.token_ids)
+        old = self.seqs.get(new.seq_id)
+        if old is not None:   # a sequence sent again whole (recomputed) takes a fresh row
+            self.tables.release(old.row)
         self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                         list(new.block_ids), new.sampling)
+                                         list(new.block_ids), new.sampling, self.tables.add(list(new.block_ids)))
 
     # --- execution ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -216,13 +224,13 @@ class ModelRunner:
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
-        self._prompt_scores = []
-        sampled, num_tokens = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0)
+        sampled, num_tokens, prompt_scores = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0, [])
         t2 = time.perf_counter()
-        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=self._prompt_scores)
+        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=prompt_scores)
 
     def _prepare(self, scheduled):
-        input_ids, positions, slots, seq_lens, starts, block_rows, sample_rows = [], [], [], [], [0], [], []
+        input_ids, positions, slots, seq_lens, starts, rows, sample_rows = [], [], [], [], [0], [], []
+        max_blocks = 1
         bs = self.block_size
         for seq_id, num_new in scheduled:
             st = self.seqs[seq_id]
@@ -234,7 +242,7 @@ class ModelRunner:
                 raise PlanError(f"sequence {seq_id}: {end} tokens need {-(-end // bs)} blocks, "
                                 f"table has {len(st.block_ids)}")
             table = st.block_ids
-            if FREED_BLOCK_ID in table:
+            if self.sliding_window and FREED_BLOCK_ID in table:   # -1 only comes with a window
                 self._check_freed(seq_id, table, begin)
                 table = [0 if b == FREED_BLOCK_ID else b for b in table]   # never read (see _check_freed)
             input_ids.extend(st.token_ids[begin:end])
@@ -242,13 +250,11 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
-            block_rows.append(table)
+            rows.append(st.row)
+            max_blocks = max(max_blocks, len(table))
             if end == len(st.token_ids):
                 sample_rows.append((seq_id, starts[-1] - 1))
-        max_blocks = max(len(r) for r in block_rows)
-        tables = torch.zeros(len(block_rows), max_blocks, dtype=torch.int32)
-        for i, row in enumerate(block_rows):
-            tables[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        tables = self.tables.gather(rows, max_blocks)
         dev = self.device
         ctx = attention.StepContext(
             kv_pool=self.pool,
@@ -302,26 +308,23 @@ class ModelRunner:
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
         hidden = self._forward(ids, pos, ctx)
         slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
-        if slices:
-            self._prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size)
+        prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size) if slices else []
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:
-            return [], ids.shape[1]
+            return [], ids.shape[1], prompt_scores
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         logits = self.final_logits(hidden.index_select(0, rows))
         sample_inputs = []
         for seq_id, _ in sample_rows:
             st = self.seqs[seq_id]
             first = len(st.token_ids) == st.num_prompt_tokens
-            sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
-                                                   st.token_ids[st.num_prompt_tokens:],
-                                                   st.sampling.n if first else 1,
-                                                   (masks or {}).get(seq_id)))
+            sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids, st.num_prompt_tokens,
+                                                   st.sampling.n if first else 1, (masks or {}).get(seq_id)))
         result = []
         for (seq_id, _), draws in zip(sample_rows, self.sample(logits, sample_inputs)):
             st = self.seqs[seq_id]
             if not st.sampling.beam_width:   # a beam's next token is chosen by the control plane
                 st.token_ids.append(draws[0].token_id)
             result.extend(SampledToken(seq_id, d.token_id, d.logprob, d.top_logprobs) for d in draws)
-        return result, ids.shape[1]
+        return result, ids.shape[1], prompt_scores
