@@ -72,29 +72,68 @@ def load_model(config: DataPlaneConfig, device: torch.device):
 
 class ModelRunner:
     def __init__(self, model, config: DataPlaneConfig, device: torch.device, sample=sampler.sample):
+        """Start-up in phases: the model in its serving type, the KV pool, the kernels' warm-up, the forward
+        and its linear routes, the decode graphs."""
+        self.device = device
+        self.sample = sample   # (logits, SampleRows) -> draws per row: sampler.sample, or a tensor-parallel rank's
+        wide_codes = self._load(model, config)
+        capture, graph_buckets = self._allocate_pool(config)
+        self.seqs: dict[int, SeqState] = {}
+        self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
+        self._arange = torch.arange(64, dtype=torch.int64, device=device)
+        compiled = warmup.warm_up(self.layer_caches, self.model.config.num_attention_heads // config.tensor_parallel_size)
+        if compiled is not None:
+            log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
+        routes, why_not = self._route(config, wide_codes)
+        self.graphs = None
+        if config.decode_graphs == "eager" or capture:
+            self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
+                                                     -(-self.max_model_len // self.block_size), graph_buckets,
+                                                     device, capture)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
+                 "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20, device,
+                 attention_ops.backend(device, self.dtype),
+                 "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
+                 routes["codes"], routes["kernel"], routes["packed"])
+
+    def _load(self, model, config: DataPlaneConfig) -> dict | None:
+        """The model in the serving type, its shapes, and whether it can be served exactly (refused
+        otherwise); returns the GGUF codes found while a model to be served in bfloat16 was float32."""
         self.dtype = getattr(torch, config.dtype)
         # a float32 model to be served in bfloat16 (load_model): its GGUF codes are found while it is float32
         wide_codes = quantized.codes_by_module(model) if model.dtype == torch.float32 and \
-            self.dtype == torch.bfloat16 and config.gguf_codes and device.type == "cpu" else None
+            self.dtype == torch.bfloat16 and config.gguf_codes and self.device.type == "cpu" else None
         model = model.to(self.dtype)
         self.model = model
-        self.device = device
         self.block_size = config.block_size
-        self.triton = attention_ops.use_triton(device)
-        self._arange = torch.arange(64, dtype=torch.int64, device=device)
+        self.triton = attention_ops.use_triton(self.device)
         if self.triton and self.block_size < MIN_TRITON_BLOCK_SIZE:
             raise ConfigError(f"--block-size {self.block_size} is for the CPU path; the Triton kernels "
-                              f"({device}) need {MIN_TRITON_BLOCK_SIZE} or more")
+                              f"({self.device}) need {MIN_TRITON_BLOCK_SIZE} or more")
         mc = model.config
         self.num_layers = mc.num_hidden_layers
         # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)
         self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
             // config.tensor_parallel_size
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                     config.dtype)
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
         self.max_model_len = min(model_max, config.max_model_len or model_max)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
+        support = model_support.check_model(model)
+        self.final_logits = support.final_logits
+        # > 0: the control plane frees blocks outside this window; their table entries come as -1
+        self.sliding_window = support.freeable_window
+        self.model_id = config.model
+        return wide_codes
+
+    def _allocate_pool(self, config: DataPlaneConfig) -> tuple[bool, list[int]]:
+        """The KV pool on the device (less what decode graphs will need) and the swap space; returns
+        whether graphs are captured, and their batch sizes."""
+        mc, device = self.model.config, self.device
+        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                     config.dtype)
         # not with tensor parallelism: its all_reduce between ranks is not captured
         capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1
         graph_buckets = decode_graphs.buckets_up_to(decode_graphs.MAX_BATCH)
@@ -110,39 +149,22 @@ class ModelRunner:
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
-        support = model_support.check_model(model)
-        self.final_logits = support.final_logits
-        # > 0: the control plane frees blocks outside this window; their table entries come as -1
-        self.sliding_window = support.freeable_window
-        self.model_id = config.model
-        self.seqs: dict[int, SeqState] = {}
-        self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
-        self.sample = sample   # (logits, SampleRows) -> draws per row: sampler.sample, or a tensor-parallel rank's
-        compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
-        if compiled is not None:
-            log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
+        return capture, graph_buckets
+
+    def _route(self, config: DataPlaneConfig, wide_codes: dict | None) -> tuple[dict[str, int], str | None]:
+        """The forward and the routes of the linear layers; returns the count of layers by route, and
+        why the lean forward is not used (None when it is)."""
         # a Llama-shaped float32 or bfloat16 CPU model runs the lean forward; its linear layers, and every other
         # model's, are routed: weights that are exactly GGUF codes expanded through the kernel reading
         # the codes, others by row count: few rows through the kernel, more through prepacked GEMM
+        model = self.model
         codes = config.gguf_codes if wide_codes is None else wide_codes
         self.lean, why_not = llama_forward.build(model, codes) if config.lean_forward else (None, "--no-lean-forward")
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model, codes=codes)
         if self.lean:
             for route, count in linear_ops.route_counts(self.lean.linears()).items():
                 routes[route] += count
-        self.graphs = None
-        if config.decode_graphs == "eager" or capture:
-            self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
-                                                     -(-self.max_model_len // self.block_size), graph_buckets,
-                                                     device, capture)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
-                 "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
-                 self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
-                 attention_ops.backend(device, self.dtype),
-                 "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
-                 routes["codes"], routes["kernel"], routes["packed"])
+        return routes, why_not
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id
