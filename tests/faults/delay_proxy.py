@@ -5,13 +5,15 @@ in order as TCP keeps it. It stands in the link where netem would (this kernel h
     python -m tests.faults.delay_proxy --listen 10.77.0.1:7000 --to 10.77.0.2:5555 --delay 0.1 --jitter 0.02
 
 Every connection to --listen gets its own connection to --to; a half-close is passed on, and a
-reset on either side closes both.
+reset on either side closes both. With --off it starts passing bytes on at once; SIGUSR1 turns the
+delay on, SIGUSR2 off again (a test keeps one link for its whole life and slows it for a while).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import random
+import signal
 import sys
 import time
 
@@ -26,8 +28,12 @@ def _address(text: str) -> tuple[str, int]:
 
 
 class Delayer:
-    def __init__(self, delay: float, jitter: float, rng: random.Random):
-        self.delay, self.jitter, self.rng = delay, jitter, rng
+    def __init__(self, delay: float, jitter: float, rng: random.Random, on: bool = True):
+        self.delay, self.jitter, self.rng, self.on = delay, jitter, rng, on
+
+    def hold(self) -> float:
+        """Seconds the next chunk is held."""
+        return max(0.0, self.delay + self.rng.uniform(-self.jitter, self.jitter)) if self.on else 0.0
 
     async def pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Copies reader to writer, each chunk held back until its release time."""
@@ -51,7 +57,7 @@ class Delayer:
             while True:
                 data = await reader.read(CHUNK)
                 now = time.monotonic()
-                last = max(last, now + max(0.0, self.delay + self.rng.uniform(-self.jitter, self.jitter)))
+                last = max(last, now + self.hold())
                 await queue.put((last, data or None))
                 if not data:
                     break
@@ -74,6 +80,9 @@ async def serve(listen: tuple[str, int], to: tuple[str, int], delayer: Delayer) 
         u_writer.close()
         c_writer.close()
     server = await asyncio.start_server(on_client, *listen, reuse_address=True)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, lambda: setattr(delayer, "on", True))
+    loop.add_signal_handler(signal.SIGUSR2, lambda: setattr(delayer, "on", False))
     print(f"delay proxy {listen[0]}:{listen[1]} -> {to[0]}:{to[1]}, {delayer.delay * 1000:.0f} ms "
           f"± {delayer.jitter * 1000:.0f} ms", flush=True)
     async with server:
@@ -87,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, default=0.1, help="seconds each chunk is held (default 0.1)")
     parser.add_argument("--jitter", type=float, default=0.02, help="± seconds around --delay (default 0.02)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--off", action="store_true", help="start without delay (SIGUSR1 turns it on)")
     args = parser.parse_args(argv)
     if args.delay < 0 or args.jitter < 0:
         parser.error("--delay and --jitter must not be negative")
-    asyncio.run(serve(args.listen, args.to, Delayer(args.delay, args.jitter, random.Random(args.seed))))
+    asyncio.run(serve(args.listen, args.to, Delayer(args.delay, args.jitter, random.Random(args.seed), not args.off)))
     return 0
 
 
