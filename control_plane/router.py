@@ -206,15 +206,17 @@ class _ReplicaStats:
 
     def collect(self):
         router = self.router
-        up = GaugeMetricFamily("pagedserve_replicas_up", "Replicas whose data plane answers")
-        up.add_metric([], len(router.live_replicas()))
+        name = [router.config.model_name]
+        up = GaugeMetricFamily("pagedserve_replicas_up", "Replicas whose data plane answers", labels=["model_name"])
+        up.add_metric(name, len(router.live_replicas()))
         yield up
-        total = GaugeMetricFamily("pagedserve_replicas", "Replicas this control plane serves with")
-        total.add_metric([], len(router.engines))
+        total = GaugeMetricFamily("pagedserve_replicas", "Replicas this control plane serves with",
+                                  labels=["model_name"])
+        total.add_metric(name, len(router.engines))
         yield total
         moved = CounterMetricFamily("pagedserve_requests_moved", "Requests moved to another replica, where they "
-                                    "were recomputed, because theirs was down")
-        moved.add_metric([], router.num_moved)
+                                    "were recomputed, because theirs was down", labels=["model_name"])
+        moved.add_metric(name, router.num_moved)
         yield moved
         yield from self._per_replica()
 

@@ -37,6 +37,24 @@ MAX_TOKENS = 24
 READY_SECONDS = 240          # a process's start, on a loaded 2-core machine
 
 
+def greedy_references(model_dir: str, num_prompts: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Random prompts and transformers' greedy continuation of each (MAX_TOKENS tokens)."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 49152) for _ in range(rng.randrange(12, 40))] for _ in range(num_prompts)]
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                             min_new_tokens=MAX_TOKENS, do_sample=False)
+        refs.append(out[0, len(p):].tolist())
+    return prompts, refs
+
+
 @dataclass
 class Outcome:
     prompt: int                        # index into the load's prompts

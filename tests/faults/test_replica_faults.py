@@ -8,16 +8,14 @@ stream resumed after a move repeats none), the gone replica's requests were move
 "degraded" while it was gone, and every pool drains to 0 blocks in use. When the control plane
 itself dies, requests in flight may fail (a 503 or a cut connection), never with a wrong token.
 """
-import random
 import signal
 import subprocess
 import time
 
 import pytest
-import torch
 
 from shared import curve
-from tests.faults.cluster import MAX_TOKENS, STEP_TIMEOUT, Cluster, Load, tally
+from tests.faults.cluster import STEP_TIMEOUT, Cluster, Load, greedy_references, tally
 from tests.faults.netbed import NetBed
 
 pytestmark = pytest.mark.faults
@@ -27,17 +25,7 @@ NUM_PROMPTS = 8
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
     """Prompts and transformers' greedy continuation of each."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    rng = random.Random(20)
-    prompts = [[rng.randrange(100, 49152) for _ in range(rng.randrange(12, 40))] for _ in range(NUM_PROMPTS)]
-    refs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, do_sample=False)
-        refs.append(out[0, len(p):].tolist())
-    return prompts, refs
+    return greedy_references(tiny_model_dir, NUM_PROMPTS, seed=20)
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def reference():
 
 
 def metric(router, name):
-    return router.stats.registry.get_sample_value(name)
+    return router.stats.registry.get_sample_value(name, {"model_name": "tiny"})
 
 
 def test_a_dead_replicas_requests_move_and_finish_as_undisturbed(reference):
@@ -124,7 +124,7 @@ def test_a_replica_back_takes_the_requests_of_one_still_down_when_no_other_was_u
     assert streamed == reference
     assert {r.replica for r in reqs} == {1}
     assert router.live_replicas() == [1]
-    assert "pagedserve_replicas_up 1.0" in generate_latest(router.stats.registry).decode()
+    assert 'pagedserve_replicas_up{model_name="tiny"} 1.0' in generate_latest(router.stats.registry).decode()
 
 
 def test_a_replica_down_at_start_joins_when_it_answers(reference):
