@@ -223,7 +223,8 @@ class Engine:
             heapq.heapify(self._deadlines)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, req = heapq.heappop(self._deadlines)
-            if not req.finished:
+            # a request moved to another replica (failover.py) is that one's to end
+            if not req.finished and any(seq_id in self.owners for seq_id in req.seqs):
                 log.info("request %s passed its deadline; aborted", req.request_id)
                 self.abort(req, "timeout")
 
@@ -271,7 +272,7 @@ class Engine:
             if self.on_dead is not None:
                 await self.on_dead()
             try:
-                hs = await self.client.handshake(self.config.step_timeout + RESTART_SECONDS)
+                hs = await self._handshake_keeping_deadlines()
             except DataPlaneDead as again:
                 log.error("%s", again)
                 await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
@@ -289,6 +290,17 @@ class Engine:
             if self.on_up is not None:
                 self.on_up(self)
             return
+
+    async def _handshake_keeping_deadlines(self) -> Handshake:
+        """The handshake; meanwhile the requests waiting here still end at their deadlines."""
+        task = asyncio.ensure_future(self.client.handshake(self.config.step_timeout + RESTART_SECONDS))
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=1.0)
+                self._expire_deadlines()
+            return task.result()
+        finally:
+            task.cancel()
 
     def _reset_pool(self) -> int:
         """A new, empty pool for the data plane of the last handshake: every unfinished sequence

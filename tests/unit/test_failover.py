@@ -149,3 +149,21 @@ def test_a_replica_down_at_start_joins_when_it_answers(reference):
     assert router.health()["status"] == "ok"
     assert {r.replica for r in reqs} == {0, 1}                # both serve now
     assert streamed == reference
+
+
+def test_requests_end_at_their_deadline_while_every_replica_is_down():
+    engines = [make_engine(FlakyClient, die_after_steps=2), make_engine(FlakyClient, die_after_steps=2)]
+    router = Router(engines)
+
+    async def run():
+        reqs = [router.add_request(f"r{i}", p, params(), timeout=1.5) for i, p in enumerate(PROMPTS)]
+        loop = asyncio.create_task(router.run())
+        ends = [[out.finish_reason async for out in r if out.finished] for r in reqs]
+        await router.stop()
+        loop.cancel()
+        return reqs, ends
+    reqs, ends = asyncio.run(run())
+    assert [r.end_reason for r in reqs] == ["timeout"] * len(PROMPTS)
+    assert router.live_replicas() == []
+    for engine in engines:
+        assert engine.kv_report()["device_blocks_used"] == 0 and not engine.owners
