@@ -103,7 +103,8 @@ async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlan
                                  "before the handshake")
             if stop.is_set():
                 task.cancel()
-                await client.shutdown()
+                if child is not None:   # one started elsewhere is left running (server.py)
+                    await client.shutdown()
                 client.close()
                 return None, None
     except asyncio.CancelledError:   # given up on (connect_replicas): the handshake stops with it

@@ -56,8 +56,11 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
         await serve_until_stopped(engines[0], cp, stop, hurry)
     else:
         await serve_until_stopped(Router(engines), cp, stop, hurry, f" with {len(engines)} replicas")
-    for e in engines:
-        await e.client.shutdown()
+    for e, child in zip(engines, children):
+        # a data plane started elsewhere is left running: it belongs to whoever started it, and a
+        # control plane started again takes it over; one we spawned is told to stop
+        if child is not None:
+            await e.client.shutdown()
         e.client.close()
 
 

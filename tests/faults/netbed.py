@@ -169,6 +169,13 @@ class NetBed:
         self._add_rules(host, [[chain, "-o" if chain == "OUTPUT" else "-i", "eth0", "-m", "statistic", "--mode",
                                 "random", "--probability", p, "-j", "DROP"] for chain in ("INPUT", "OUTPUT")])
 
+    def dropped(self, host: str) -> int:
+        """Packets the DROP rules of `host` dropped so far (iptables' counters)."""
+        out = subprocess.run(["ip", "netns", "exec", self.ns(host), "iptables", "-w", "-L", "-v", "-x", "-n"],
+                             check=True, capture_output=True, text=True).stdout
+        return sum(int(line.split()[0]) for line in out.splitlines()
+                   if line.split()[2:3] == ["DROP"] and line.split()[0].isdigit())
+
     def heal(self, host: str | None = None) -> None:
         """Removes the partitions and losses of `host` (default: every host)."""
         for h in [host] if host else self.hosts:

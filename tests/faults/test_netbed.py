@@ -2,7 +2,6 @@
 host and heal brings it back; loss drops some packets; the delay proxy holds bytes back in order;
 and nothing is left behind."""
 import socket
-import subprocess
 import sys
 import time
 
@@ -52,12 +51,13 @@ def test_hosts_partition_heal_loss_and_delay(tmp_path):
             bed.call_in("a", connect_and_echo, b, 7100, b"x", 1.5)
         bed.heal("b")
         assert bed.call_in("a", connect_and_echo, b, 7100, b"back", 5.0) == b"back"
-        # 10% loss each way: 40 pings lose some (all pass with odds of 0.81**40), and TCP gets its bytes through
+        # 10% loss each way: some of the transfer's packets are dropped (it takes dozens of packets), and
+        # TCP gets its bytes through
         bed.loss("b", 0.1)
-        ping = subprocess.run(["ip", "netns", "exec", bed.ns("a"), "ping", "-c", "40", "-i", "0.02", "-W", "1", b],
-                              capture_output=True, text=True)
-        assert " 0% packet loss" not in ping.stdout, ping.stdout
-        assert bed.call_in("a", connect_and_echo, b, 7100, b"y" * 20000, 60.0) == b"y" * 20000
+        assert bed.dropped("b") == 0
+        for _ in range(5):
+            assert bed.call_in("a", connect_and_echo, b, 7100, b"y" * 20000, 60.0) == b"y" * 20000
+        assert bed.dropped("b") > 0
         bed.heal()
         # the delay proxy in host a, in front of b's echo
         a = bed.address["a"]
