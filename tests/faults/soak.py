@@ -44,7 +44,25 @@ def say(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)
 
 
-def inject(cluster: Cluster, fault: str, rng: random.Random, load: Load) -> None:
+class ControlPlaneLives:
+    """What each control plane that ran reported before it was replaced: requests moved, and its RSS
+    once warm against its RSS at its end."""
+
+    def __init__(self):
+        self.moved = 0.0
+        self.rss: list[tuple[int, int | None, int | None]] = []   # (pid, first, last) in KiB
+        self._first: tuple[int, int | None] | None = None
+
+    def started(self, cluster: Cluster) -> None:
+        self._first = (cluster.cp.pid, rss_kib(cluster.cp.pid))
+
+    def ending(self, cluster: Cluster) -> None:
+        self.moved += cluster.metric("pagedserve_requests_moved_total")
+        pid, first = self._first
+        self.rss.append((pid, first, rss_kib(pid)))
+
+
+def inject(cluster: Cluster, fault: str, rng: random.Random, load: Load, lives: ControlPlaneLives) -> None:
     """One fault, held for a few step timeouts, then undone; returns once every replica is up."""
     hold = rng.uniform(2, 5) * STEP_TIMEOUT
     replica = rng.choice([0, 1])
@@ -71,6 +89,7 @@ def inject(cluster: Cluster, fault: str, rng: random.Random, load: Load) -> None
         cluster.slow_link(False)
     else:
         say("fault: control plane SIGTERM, SIGKILL 0.5 s later, started again")
+        lives.ending(cluster)
         cluster.cp.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         cluster.cp.kill()
@@ -78,6 +97,9 @@ def inject(cluster: Cluster, fault: str, rng: random.Random, load: Load) -> None
         cluster.start_control_plane()
     health = cluster.wait_health("ok")
     say(f"  healed: {health}")
+    if fault == "control_plane_restart":
+        load.wait(5.0)    # warm, as the first one was
+        lives.started(cluster)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             with Load(cluster, prompts, args.workers) as load:
                 load.wait(5.0)    # warm: the first RSS figures are taken once every process has served
                 first = {name: (proc.pid, rss_kib(proc.pid)) for name, proc in
-                         [("control plane", cluster.cp), ("data plane b", cluster.dp["b"]),
-                          ("data plane c", cluster.dp["c"])]}
+                         [("data plane b", cluster.dp["b"]), ("data plane c", cluster.dp["c"])]}
+                lives = ControlPlaneLives()
+                lives.started(cluster)
                 ends = time.monotonic() + args.seconds
                 faults = []
                 while True:
@@ -116,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                     load.wait(wait)
                     fault = rng.choice(FAULTS)
                     faults.append(fault)
-                    inject(cluster, fault, rng, load)
+                    inject(cluster, fault, rng, load, lives)
                 load.wait(max(0.0, ends - time.monotonic()))
                 outcomes = load.stop()
             report = cluster.wait_pools_empty()
             last = {name: rss_kib(pid) for name, (pid, _) in first.items()}
+            lives.ending(cluster)
             result = tally(outcomes, refs)
             say(f"faults injected: {len(faults)} ({', '.join(faults)})")
             say(f"requests: {len(outcomes)} sent, {result.served} served identical to the greedy reference, "
@@ -128,14 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             reasons: dict[str, int] = {}
             for o in outcomes:
                 if not (o.complete and o.error is None):
-                    why = f"status {o.status}" if o.status not in (None, 200) else (o.error or "?")[:60]
+                    why = f"status {o.status} {(o.error or '')[:110]}" if o.status not in (None, 200) else \
+                        (o.error or "?")[:60]
                     reasons[why] = reasons.get(why, 0) + 1
             for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
                 say(f"  failed: {count} x {why}")
-            say(f"moved requests: {cluster.metric('pagedserve_requests_moved_total'):.0f} (this control plane's "
-                "count, since its last start)")
+            say(f"moved requests: {lives.moved:.0f} (pagedserve_requests_moved_total, summed over the control "
+                "planes that ran)")
             say(f"pools after the run: {report['device_blocks_used']} device and {report['cpu_blocks_used']} CPU "
                 "blocks in use")
+            for i, (pid, before, after) in enumerate(lives.rss, start=1):
+                first[f"control plane {i}"] = (pid, before)
+                last[f"control plane {i}"] = after
             for name, (pid, before) in first.items():
                 after = last[name]
                 if before is None or after is None:

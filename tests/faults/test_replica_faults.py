@@ -76,39 +76,34 @@ def test_undisturbed_load_is_served_by_both_replicas(cluster, references):
     cluster.wait_pools_empty()
 
 
-def test_a_partitioned_replica_loses_its_requests_to_the_other_and_rejoins_after_heal(cluster, references):
+def fault_moves_and_heals(cluster, references, replica: int, inflict, undo) -> None:
+    """Under load: inflict() the fault on `replica`, until /health says it is down, and a step timeout
+    more; then undo() it, until /health says every replica is up. Its requests moved, none failed."""
     before = moved(cluster)
 
-    def partition(load):
-        cluster.bed.partition("c")
-        cluster.wait_health("degraded", down=[1])
-        load.wait(STEP_TIMEOUT)
-        cluster.bed.heal("c")
+    def during(load):
+        inflict()
+        try:
+            cluster.wait_health("degraded", down=[replica])
+            load.wait(STEP_TIMEOUT)
+        finally:
+            undo()
         cluster.wait_health("ok")
         load.wait(1.0)
-    result = run_load(cluster, references, partition)
+    result = run_load(cluster, references, during)
     assert result.failed == 0 and result.served > 0
     assert moved(cluster) > before
     cluster.wait_pools_empty()
+
+
+def test_a_partitioned_replica_loses_its_requests_to_the_other_and_rejoins_after_heal(cluster, references):
+    fault_moves_and_heals(cluster, references, 1, lambda: cluster.bed.partition("c"), lambda: cluster.bed.heal("c"))
     assert "replica 1 is down" in cluster.cp_log() and "replica 1 is up" in cluster.cp_log()
 
 
 def test_a_stopped_replica_loses_its_requests_and_rejoins_after_sigcont(cluster, references):
-    before = moved(cluster)
-
-    def stop_and_continue(load):
-        cluster.signal("b", signal.SIGSTOP)
-        try:
-            cluster.wait_health("degraded", down=[0])
-            load.wait(STEP_TIMEOUT)
-        finally:
-            cluster.signal("b", signal.SIGCONT)
-        cluster.wait_health("ok")
-        load.wait(1.0)
-    result = run_load(cluster, references, stop_and_continue)
-    assert result.failed == 0 and result.served > 0
-    assert moved(cluster) > before
-    cluster.wait_pools_empty()
+    fault_moves_and_heals(cluster, references, 0, lambda: cluster.signal("b", signal.SIGSTOP),
+                          lambda: cluster.signal("b", signal.SIGCONT))
 
 
 def test_a_killed_replica_loses_its_requests_and_the_other_serves_alone(cluster, references):
