@@ -65,6 +65,8 @@ class RestartingClient:
     result comes back; the next handshake answers from a new runner with an empty pool, as a
     restarted data plane would."""
 
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     def __init__(self, make, die_at=()):
         self.make = make
         self.runner = make()
