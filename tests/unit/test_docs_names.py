@@ -190,6 +190,11 @@ def class_members() -> dict[str, set[str]]:
     return members
 
 
+@functools.cache
+def code_words() -> frozenset[str]:
+    return frozenset(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code_text()))
+
+
 def code_name_exists(word: str) -> bool:
     """Each part is a word of the code; `Class.member` needs a class of the code that has the member."""
     parts = word.split(".")
@@ -197,8 +202,7 @@ def code_name_exists(word: str) -> bool:
         return True              # a module named without its folder and ending (`step_mix`)
     if len(parts) >= 2 and parts[0] in class_members():
         return parts[1] in class_members()[parts[0]]
-    text = code_text()
-    return all(re.search(rf"\b{re.escape(part)}\b", text) for part in parts)
+    return all(part in code_words() for part in parts)
 
 
 def unknown_names(doc: str, text: str) -> list[str]:
