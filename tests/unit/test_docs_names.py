@@ -4,8 +4,8 @@ setting) that README.md or docs/*.md writes in backticks or links to.
 What counts as a name is deliberately narrow, so that prose never trips it: only text inside
 backticks (or a link target), and only when it looks like a path (has a known file ending or a
 slash), a flag (starts with --), or an identifier with an underscore or inner capital
-(`forget_seq_ids`, `StepPlan`). Flags of other tools the docs quote (pip, pytest, docker...) are
-listed here, each once, with the tool they belong to."""
+(`forget_seq_ids`, `StepPlan`). Flags, files and names of other programs that the docs quote and
+the code never spells are listed here, each once, with the program they belong to."""
 from __future__ import annotations
 
 import argparse
@@ -20,14 +20,9 @@ import pytest
 from shared import config as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# flags of other programs that the docs quote in commands
-FOREIGN_FLAGS = {
-    "--durations": "pytest", "--timeout": "pytest", "--no-deps": "pip", "--upgrade": "pip", "--index-url": "pip",
-    "--extra-index-url": "pip", "--build": "docker compose", "--gpus": "docker", "--rm": "docker",
-    "--profile": "docker compose", "--pre": "pip", "--format": "docker", "--help": "every command",
-    "--force-reinstall": "pip", "--no-cache-dir": "pip", "--abort-on-container-exit": "docker compose",
-    "--no-binary": "pip",
-}
+# flags of other programs that the docs quote in commands, and the code nowhere (add one here, with
+# its program, when a doc quotes it)
+FOREIGN_FLAGS = {"--no-binary": "pip"}
 # files and names of other programs, or of experiments the history in docs/performance.md describes
 FOREIGN_FILES = {"generation_config.json": "a model's folder", "torch/csrc/utils/pybind.h": "torch's source"}
 FOREIGN_NAMES = {
