@@ -55,6 +55,8 @@ class FakeDataPlane:
     reaches that length (the trace's output length). A sequence with a token mask in the plan draws,
     from the same generator, one of the tokens its mask allows (only EOS once its grammar has ended)."""
 
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 49152, max_model_len: int = 8192,
                  seed: int = 0):
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -7,9 +7,9 @@ hide behind the data plane's step at most.
 
 The real Engine drives bench/_fake_engine.FakeDataPlane (same contract, no tensors). Each part is timed
 in this process's CPU time (time.process_time), so that other processes on a shared machine do not
-count: schedule, build_plan + commit, msgpack (encode the plan, decode it, encode and decode a
-result of the same size, as the two ends of the link do), and applying the result (prefix caching,
-tokens, stop checks, detokenizing, metrics). The whole step is the engine's step less the fake data
+count: schedule (which builds and records the plan), msgpack (encode the plan, decode it, encode and decode a
+result of the same size, as the two ends of the link do), and applying the result (Scheduler.update's
+prefix caching, the output processor's tokens, stop checks and detokenizing, Scheduler.apply, metrics). The whole step is the engine's step less the fake data
 plane's own work (its sampling is the data plane's, not ours). Compare it with the data plane's step
 time of the same batch (bench/overhead.py).
 
@@ -36,7 +36,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _fake_engine as T  # noqa: E402
 
-from control_plane import engine as engine_mod  # noqa: E402
 from control_plane.sampling_params import SamplingParams  # noqa: E402
 from control_plane.structured import Constraint, Matchers  # noqa: E402
 from shared import protocol as P  # noqa: E402
@@ -71,10 +70,10 @@ async def measure(batch: int, context: int, steps: int, tokenizer, grammar=None)
                   SamplingParams(max_tokens=1000, temperature=0.0, constraint=CONSTRAINT))
         engine.add_request(f"r{i}", prompt, params)
     matchers = engine.outputs.matchers
-    parts = {"schedule": 0.0, "build+commit": 0.0, "msgpack": 0.0, "apply result": 0.0, "fake data plane": 0.0,
+    parts = {"schedule": 0.0, "msgpack": 0.0, "apply result": 0.0, "fake data plane": 0.0,
              "step_masks": 0.0, "accept": 0.0}
     counts = {"masks": 0, "rejected": 0}
-    sched, build, outputs = engine.scheduler.schedule, engine_mod.build_plan, engine.outputs.apply
+    sched = engine.scheduler
     clock = time.process_time
 
     def timed(name, fn):
@@ -99,27 +98,23 @@ async def measure(batch: int, context: int, steps: int, tokenizer, grammar=None)
         return result
     engine.client.step = wire_step
     while True:   # prefill until every sequence decodes
-        out = engine.scheduler.schedule()
-        engine._step_id += 1
-        plan = build(engine._step_id, out, engine.scheduler.bm)
-        if matchers is not None:
-            plan.token_masks = matchers.step_masks(out.scheduled)
-        engine.scheduler.commit(out)
+        plan = sched.schedule()
+        plan.token_masks = engine.outputs.masks(plan)
         result = await wire_step(plan, 0)
-        engine.scheduler.on_step_done(out)
-        engine.outputs.apply(result.sampled)
-        if len(out.scheduled) == batch and sum(s.num_new_tokens for s in out.scheduled) == batch:
+        sched.update(plan, result)
+        sched.apply(engine.outputs.process(result))
+        scheduled = plan.new_seqs + plan.cached_seqs
+        if len(scheduled) == batch and sum(s.num_new_tokens for s in scheduled) == batch:
             break
-    engine.scheduler.schedule = timed("schedule", sched)
-    engine_mod.build_plan = timed("build+commit", build)
-    engine.scheduler.commit = timed("build+commit", engine.scheduler.commit)
-    engine.outputs.apply = timed("apply result", outputs)
-    engine.scheduler.on_step_done = timed("apply result", engine.scheduler.on_step_done)
+    # wrapped on the instances: Engine.step calls these
+    sched.schedule = timed("schedule", sched.schedule)
+    for obj, name in ((sched, "update"), (engine.outputs, "process"), (sched, "apply")):
+        setattr(obj, name, timed("apply result", getattr(obj, name)))
     if matchers is not None:   # wrapped on the instance: the engine and the output processor call these
         masks_of, accept = timed("step_masks", matchers.step_masks), timed("accept", matchers.accept)
 
-        def step_masks(scheduled):
-            masks = masks_of(scheduled)
+        def step_masks(seqs):
+            masks = masks_of(seqs)
             counts["masks"] += len(masks)
             return masks
 
@@ -131,11 +126,8 @@ async def measure(batch: int, context: int, steps: int, tokenizer, grammar=None)
     for k in parts:
         parts[k] = 0.0
     t0 = clock()
-    try:
-        for _ in range(steps):
-            await engine.step()
-    finally:
-        engine_mod.build_plan = build
+    for _ in range(steps):
+        await engine.step()
     total = clock() - t0 - parts.pop("fake data plane")
     if counts["rejected"]:
         raise AssertionError(f"the matchers rejected {counts['rejected']} sampled tokens: the fake data plane "
@@ -160,7 +152,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(default_model_path())   # the real detokenizer: part of applying a result
     print(f"control plane CPU time per decode step (ms; process time, context {args.context}, {args.steps} steps; "
           f"load average {os.getloadavg()[0]:.1f})")
-    cols = ["schedule", "build+commit", "msgpack", "apply result", "whole step"]
+    cols = ["schedule", "msgpack", "apply result", "whole step"]
     print(f"{'batch':>6} " + " ".join(f"{c:>13}" for c in cols))
     plain = {}
     for b in batches:

@@ -6,7 +6,7 @@ the same tokens.
 
 Three measurements of each step, all in this run (bare and runner alternate step by step):
   engine  `Engine.step()` of the real control plane against a data-plane subprocess over ZeroMQ:
-          schedule + plan build + msgpack + ZeroMQ + input preparation + paged forward + sampling
+          schedule (the plan included) + msgpack + ZeroMQ + input preparation + paged forward + sampling
           + applying the result (detokenizer, stop checks, metrics);
   bare    transformers' own forward of the same tokens with a DynamicCache (SDPA over a contiguous
           cache) plus an argmax: no engine;
@@ -65,9 +65,14 @@ def rand_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(C.FIRST_ORDINARY_TOKEN, VOCAB_SIZE) for _ in range(n)]
 
 
-def num_batched_tokens(out) -> int:
-    """Tokens a SchedulerOutput scheduled."""
-    return sum(s.num_new_tokens for s in out.scheduled)
+def plan_seqs(plan) -> list:
+    """The sequences a StepPlan scheduled, new and cached."""
+    return plan.new_seqs + plan.cached_seqs
+
+
+def num_batched_tokens(plan) -> int:
+    """Tokens a StepPlan scheduled."""
+    return sum(s.num_new_tokens for s in plan_seqs(plan))
 
 
 def ms(seconds_list) -> float:
@@ -79,13 +84,11 @@ class Probe:
     """Wraps, at run time and in this process only, the pieces `Engine.step()` calls, to time them."""
 
     def __init__(self, engine):
-        import control_plane.engine as engine_mod
         import shared.protocol as P
         self.parts: dict[str, float] = defaultdict(float)
         self.last_out = None
         wrap = self._wrap
         engine.scheduler.schedule = wrap("schedule", engine.scheduler.schedule, keep=True)
-        engine_mod.build_plan = wrap("plan build", engine_mod.build_plan)
         P.encode = wrap("msgpack", P.encode)
         P.decode = wrap("msgpack", P.decode)
         step = engine.client.step
@@ -146,7 +149,7 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
             for _ in range(10_000):   # prefill (in chunks, mixed with early decodes) until all sequences decode
                 await engine.step()
                 out = probe.last_out
-                if len(out.scheduled) == num_seqs and num_batched_tokens(out) == num_seqs:
+                if len(plan_seqs(out)) == num_seqs and num_batched_tokens(out) == num_seqs:
                     break
             else:
                 raise RuntimeError(f"{label}: the engine never scheduled all {num_seqs} sequences in one step")
@@ -347,7 +350,7 @@ def main(argv=None) -> int:
         paired = engine_dp * runner_bare
         print(f"{label:<24} {tokens:>6} {b:>11.1f} {e:>14.1f} {e / b:>7.2f} {engine_dp:>9.3f} {runner_bare:>11.2f} "
               f"{paired:>7.2f}  {'met' if paired <= GOAL_RATIO else 'not met'}")
-    cols = ["schedule", "plan build", "msgpack", "zmq+remote", "dp plan apply", "dp prepare+fwd+sample",
+    cols = ["schedule", "msgpack", "zmq+remote", "dp plan apply", "dp prepare+fwd+sample",
             "apply+metrics"]
     print("\nengine step breakdown, ms per step (msgpack: encode plan + decode result here; zmq+remote: round trip "
           "less msgpack here less the data plane's own timings; apply+metrics: the rest of Engine.step)")
@@ -356,10 +359,10 @@ def main(argv=None) -> int:
         p = engine[label]["parts"]
         step = ms(engine[label]["times"])
         dp_time = 1000 * (p.get("dp plan apply", 0) + p.get("dp prepare+fwd+sample", 0))
-        values = {k: 1000 * p.get(k, 0) for k in ("schedule", "plan build", "msgpack", "dp plan apply",
+        values = {k: 1000 * p.get(k, 0) for k in ("schedule", "msgpack", "dp plan apply",
                                                    "dp prepare+fwd+sample")}
         values["zmq+remote"] = 1000 * (p.get("round trip", 0) - p.get("msgpack", 0)) - dp_time
-        values["apply+metrics"] = step - 1000 * (p.get("schedule", 0) + p.get("plan build", 0) + p.get("round trip", 0))
+        values["apply+metrics"] = step - 1000 * (p.get("schedule", 0) + p.get("round trip", 0))
         print(f"{label:<24} " + " ".join(f"{values[c]:>{max(10, len(c))}.2f}" for c in cols))
     print("\ndata plane in this process (ModelRunner.execute, no ZeroMQ), ms per step")
     print(f"{'step':<24} {'execute':>8} {'prepare':>8} {'forward':>8} {'lm_head+sample':>14} {'exec/bare':>9}")

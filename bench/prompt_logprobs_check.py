@@ -12,9 +12,8 @@ import _common  # noqa: F401  (puts the project on sys.path)
 import torch
 
 from control_plane.block_manager import BlockManager
-from control_plane.plan_builder import build_plan
 from control_plane.sampling_params import SamplingParams
-from control_plane.scheduler import Scheduler
+from control_plane.scheduler import Finish, Scheduler
 from control_plane.sequence import Sequence
 from data_plane.model_runner import ModelRunner, load_model
 from shared.config import DataPlaneConfig, default_model_path
@@ -32,17 +31,15 @@ def prefill(runner, prompt, budget, k):
     sched.add(seq)
     scores, step, started = {}, 0, time.perf_counter()
     while sched.has_work():
-        out = sched.schedule()
+        plan = sched.schedule()
         step += 1
-        plan = build_plan(step, out, bm)
-        sched.commit(out)
         result = runner.execute(plan)
-        sched.on_step_done(out)
+        sched.update(plan, result)
         for entry in result.prompt_logprobs:
             for i, lp in enumerate(entry.logprobs):
                 scores[entry.first_position + i] = lp
         if result.sampled:
-            sched.finish(seq, "length")
+            sched.apply([Finish(seq, "length")])
     return time.perf_counter() - started, scores
 
 

@@ -35,9 +35,8 @@ def main(argv=None) -> int:
     import torch
 
     from control_plane.block_manager import BlockManager
-    from control_plane.plan_builder import build_plan
     from control_plane.sampling_params import SamplingParams
-    from control_plane.scheduler import Scheduler
+    from control_plane.scheduler import Finish, Scheduler
     from control_plane.sequence import Sequence
     from data_plane import attention
     from data_plane.model_runner import ModelRunner
@@ -65,19 +64,19 @@ def main(argv=None) -> int:
     step, started = 0, time.perf_counter()
     while sched.has_work():
         t0 = time.perf_counter()
-        out = sched.schedule()
+        plan = sched.schedule()
         step += 1
-        plan = build_plan(step, out, sched.bm)
-        sched.commit(out)
         result = runner.execute(plan)
-        sched.on_step_done(out)
+        sched.update(plan, result)
+        ended = []
         for tok in result.sampled:
             seq = by_id[tok.seq_id]
             seq.token_ids.append(tok.token_id)
             if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq, "length")
+                ended.append(Finish(seq, "length"))
+        sched.apply(ended)
         took = time.perf_counter() - t0
-        rows = len(out.scheduled)
+        rows = len(plan.new_seqs) + len(plan.cached_seqs)
         if rows == 0:
             key = "steps with nothing to run"
         elif result.num_tokens > rows:

@@ -1,5 +1,5 @@
-"""The control plane's step loop: schedule, send the plan, hand the result to the output
-processor; plus request admission, deadlines, and recovery from a data-plane restart.
+"""The control plane's step loop: schedule, send the plan, update the scheduler with the result,
+emit the outputs; plus request admission, deadlines, and recovery from a data-plane restart.
 
 What api.py, metrics and the router may use of an engine is the "interface" section below."""
 from __future__ import annotations
@@ -15,16 +15,15 @@ from control_plane.beam_search import BeamSearch
 from control_plane.block_manager import BlockManager
 from control_plane.dp_client import DataPlaneClient, DataPlaneDead
 from control_plane.output_processor import OutputProcessor
-from control_plane.plan_builder import build_plan
 from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request
 from control_plane.sampling_params import SamplingParams, ValidationError, check_for_model
-from control_plane.scheduler import Scheduler, SchedulerLoad, SchedulerOutput
+from control_plane.scheduler import Scheduler, SchedulerLoad, is_empty
 from control_plane.structured import GrammarBackend, Matchers
 from control_plane.sequence import Sequence
 from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
-from shared.protocol import Handshake, StepResult
+from shared.protocol import Handshake, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.control_plane")
 IDLE_PING_SECONDS = 5.0
@@ -35,9 +34,8 @@ SHUTDOWN_MESSAGE = "the server shut down before the request finished; send it ag
 @dataclass
 class InFlight:
     """A step sent to the data plane whose result is not applied yet."""
-    step_id: int
-    out: SchedulerOutput
-    sent_at: float          # time.monotonic() when its plan was sent
+    plan: StepPlan
+    sent_at: float          # time.monotonic() when it was sent
 
 
 class Engine:
@@ -55,13 +53,11 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
         self._wakeup = asyncio.Event()
-        self._step_id = 0
         self._in_flight: InFlight | None = None   # overlap: the step sent whose result is awaited next
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
         self._answering = True   # False from a failed exchange until the data plane answers a handshake
-        self.isolation = FailureIsolation(self)   # a failed step fails only the request that caused it
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
         # replicas (control_plane/failover.py): called with this engine when its data plane is declared
         # gone (its requests may move elsewhere) and when one answers again
@@ -69,8 +65,14 @@ class Engine:
         self.on_up = None
         self.awaiting_handshake = False   # started while its data plane was down: run() connects first
         self.stats = metrics.EngineStats(config.model_name)
-        self.outputs = OutputProcessor(self.scheduler, self.stats, tokenizer, self.eos_token_ids,
-                                       handshake.max_model_len)
+        self.outputs = OutputProcessor(self.stats, tokenizer, self.eos_token_ids, handshake.max_model_len)
+        # a failed step fails only the request that caused it
+        self.isolation = FailureIsolation(self.scheduler, self.outputs, self._wakeup.set)
+
+    def start_unconnected(self) -> None:
+        """This engine's data plane did not answer at start: run() connects first, and until then the
+        engine counts as down (the router sends it nothing)."""
+        self.awaiting_handshake, self._answering = True, False
 
     def _block_manager(self) -> BlockManager:
         """An empty block manager for the data plane of the last handshake: its pools, and the window
@@ -117,11 +119,7 @@ class Engine:
     def data_plane_alive(self) -> bool:
         """What /health reports: the data plane answers, and the link to it is up (the client's
         socket monitor sees a disconnect at once; a lost link is re-established at the next ping)."""
-        return self._answering and getattr(self.client, "link_up", True)
-
-    @data_plane_alive.setter
-    def data_plane_alive(self, value: bool) -> None:
-        self._answering = value
+        return self._answering and self.client.link_up
 
     # --- requests ---------------------------------------------------------------------
     @property
@@ -206,7 +204,7 @@ class Engine:
         """Ends a request wherever it is and frees its blocks: a client gone ("abort"), a deadline
         passed ("timeout"), or a shutdown ("abort" with an error the client is told)."""
         if not req.finished:
-            self.outputs.end_request(req, reason, error)
+            self.scheduler.apply(self.outputs.end(req, reason, error))
             self._wakeup.set()
 
     def watch_deadline(self, req: Request) -> None:
@@ -238,8 +236,7 @@ class Engine:
             if now - last_log >= self.config.log_interval:
                 self._log_progress(now - last_log)
                 last_log = now
-            self.isolation.release()
-            if not self.scheduler.has_work() and self._in_flight is None:
+            if not self._busy():
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), min(IDLE_PING_SECONDS, self.config.log_interval))
@@ -247,8 +244,12 @@ class Engine:
                     await self._guarded(self.client.ping(self.config.step_timeout))
                 continue
             self._expire_deadlines()   # before scheduling: an expired request takes no more steps
-            if self.scheduler.has_work() or self._in_flight is not None:
+            if self._busy():
                 await self._guarded(self.step())
+
+    def _busy(self) -> bool:
+        """Work queued, a step in flight, or failed-step suspects held back (step() lets them in)."""
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self.isolation.held)
 
     async def _guarded(self, work) -> None:
         """Runs one exchange with the data plane. If it died: restart it when we spawned it, wait
@@ -258,7 +259,7 @@ class Engine:
             await work
         except DataPlaneDead as exc:
             log.error("%s", exc)
-            self.data_plane_alive = False
+            self._answering = False
             self._in_flight = None      # its result will never come: the sequences are recomputed
             if self.on_down is not None:
                 self._reset_pool()      # the lost pool's blocks are free; its requests may move away
@@ -286,7 +287,7 @@ class Engine:
             self.hs = hs
             self.awaiting_handshake = False
             self._requeue_all()
-            self.data_plane_alive = True
+            self._answering = True
             if self.on_up is not None:
                 self.on_up(self)
             return
@@ -321,52 +322,59 @@ class Engine:
         log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:
-        """One step. Without overlap: plan, send, wait for the result, apply it. With overlap
-        (config.async_scheduling): plan and send step N+1, then wait for step N's result and apply
-        it, so that this process handles N while the data plane computes N+1 (scheduler.py, top)."""
+        """One step: schedule, send, update, emit. With overlap (config.async_scheduling) step N+1 is
+        sent before step N's result is awaited, so that this process handles N while the data plane
+        computes N+1 (scheduler.py, top); otherwise the result is that of the plan just sent."""
         self.isolation.release()
-        sched = self.scheduler
-        out = sched.schedule()
-        if out.is_empty and self._in_flight is None and not sched.running and (sched.swapped or sched.waiting):
-            # nothing runs and the head of the queue still cannot get its blocks: it never will
-            stuck = sched.swapped[0][0] if sched.swapped else sched.waiting[0]
-            self.outputs.fail(self.owners[stuck.seq_id], "the request does not fit the KV pool")
+        plan = self.scheduler.schedule()
+        if self._fail_stuck(plan):
             return
-        overlap = self.config.async_scheduling
-        sent = None
-        if not (overlap and out.is_empty):
-            self._step_id += 1
-            plan = build_plan(self._step_id, out, sched.bm)
-            matchers = self.outputs.matchers
-            if matchers is not None and matchers.by_seq:   # never with overlap: validate_request refuses
-                plan.token_masks = matchers.step_masks(out.scheduled)
-            sched.commit(out)
-            sent = InFlight(self._step_id, out, time.monotonic())
-            if not overlap:
-                self._apply(sent, await self.client.step(plan, self.config.step_timeout))
-                return
-            await self.client.send_plan(plan)
-        previous, self._in_flight = self._in_flight, sent
-        if previous is not None:
-            self._apply(previous, await self.client.result_of(previous.step_id, self.config.step_timeout))
+        done = await self._send(plan)
+        if done is not None:
+            sent, result = done
+            seqs = self.scheduler.update(sent.plan, result)
+            self._observe(sent, result, seqs)
+            self._emit(result, seqs)
 
-    def _apply(self, sent: InFlight, result: StepResult) -> None:
-        out = sent.out
-        self.scheduler.on_result(out)
-        self.stats.on_step(out, time.monotonic() - sent.sent_at, self.load())
-        if out.swapped_out:
-            self.stats.on_preemption("swap", len(out.swapped_out))
-        if out.swap_out or out.swap_in:
-            self.stats.on_swap(len(out.swap_out), len(out.swap_in))
-        self.policy.observe(len(out.swap_out) + len(out.swap_in), result.swap_seconds, result.num_tokens,
+    def _fail_stuck(self, plan: StepPlan) -> bool:
+        """Nothing runs and the head of the queue still cannot get its blocks: it never will."""
+        sched = self.scheduler
+        if not is_empty(plan) or self._in_flight is not None or sched.running or not (sched.swapped or sched.waiting):
+            return False
+        stuck = sched.swapped[0][0] if sched.swapped else sched.waiting[0]
+        self.abort(self.owners[stuck.seq_id], "error", "the request does not fit the KV pool")
+        return True
+
+    async def _send(self, plan: StepPlan) -> tuple[InFlight, StepResult] | None:
+        """Sends `plan` (with overlap, unless it is empty) and returns the step whose result came back:
+        this one, or with overlap the one sent before (None when there was none)."""
+        plan.token_masks = self.outputs.masks(plan)   # never with overlap: validate_request refuses
+        if not self.config.async_scheduling:
+            return InFlight(plan, time.monotonic()), await self.client.step(plan, self.config.step_timeout)
+        sent = None
+        if not is_empty(plan):
+            await self.client.send_plan(plan)
+            sent = InFlight(plan, time.monotonic())
+        previous, self._in_flight = self._in_flight, sent
+        if previous is None:
+            return None
+        return previous, await self.client.result_of(previous.plan.step_id, self.config.step_timeout)
+
+    def _observe(self, sent: InFlight, result: StepResult, seqs: list[Sequence]) -> None:
+        plan = sent.plan
+        self.stats.on_step(seqs, time.monotonic() - sent.sent_at, self.load())
+        self.stats.on_swap(len(plan.swap_out), len(plan.swap_in))
+        self.policy.observe(len(plan.swap_out) + len(plan.swap_in), result.swap_seconds, result.num_tokens,
                             result.forward_seconds)
+
+    def _emit(self, result: StepResult, seqs: list[Sequence]) -> None:
+        """The result's tokens to their requests; a failed step to the request that caused it."""
         if result.error:
-            log.error("step %d failed on the data plane: %s", sent.step_id, result.error)
-            self.isolation.on_failure(out, result.error)
+            log.error("step %d failed on the data plane: %s", result.step_id, result.error)
+            self.isolation.on_failure(seqs, result.error)
             return
-        self.isolation.on_success(out)
-        self.scheduler.on_step_done(out)
-        self.outputs.apply(result.sampled, result.prompt_logprobs)
+        self.isolation.on_success(seqs)
+        self.scheduler.apply(self.outputs.process(result))
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler

@@ -21,21 +21,15 @@ def detach(engine) -> list[Request]:
     """Takes every unfinished request out of `engine` (whose pool was reset: all its sequences are
     waiting): out of its scheduler, its sequence map, its grammar matchers and its suspects."""
     requests = engine.outputs.live_requests()
-    moving = {id(r) for r in requests}
-    waiting = engine.scheduler.waiting
-    keep = [s for s in waiting if id(engine.owners.get(s.seq_id)) not in moving]
-    waiting.clear()
-    waiting.extend(keep)
     matchers = engine.outputs.matchers
     for req in requests:
-        for seq in req.live_seqs():
+        seqs = req.live_seqs()
+        engine.scheduler.set_aside(seqs)   # out of the waiting queue (the pool was reset: nothing else holds them)
+        for seq in seqs:
             engine.owners.pop(seq.seq_id, None)
             if matchers is not None:
                 matchers.drop(seq.seq_id)
-    isolation = engine.isolation
-    isolation.held = type(isolation.held)(r for r in isolation.held if id(r) not in moving)
-    if isolation.probe is not None and id(isolation.probe) in moving:
-        isolation.probe = None
+    engine.isolation.forget(requests)
     return requests
 
 

@@ -7,11 +7,11 @@ incremented makes ``rate()`` return nothing, and a dashboard panel stays empty).
 
 What the engine calls, and when:
   on_arrival(num_prompt_tokens)          a request (one sequence) entered the waiting queue
-  on_step(out, seconds, load)            after each step's result came back (load: a SchedulerLoad)
+  on_step(seqs, seconds, load)           after each step's result came back (seqs: the sequences it
+                                         scheduled; load: a SchedulerLoad, whose cumulative preemption,
+                                         copy, window and prefix-cache counts it turns into increments)
   on_token(seq, first)                   per sampled token appended to a sequence
   on_finish(seq, reason)                 a sequence ended: stop | length | abort | error
-  on_preemption(kind, num_seqs)          preemptions other than those in `out.preempted`
-                                         (which on_step counts as recompute), e.g. kind="swap"
   on_swap(num_blocks_out, num_blocks_in) blocks the scheduler ordered swapped out / in
   on_prefix_cache(queries, hits)         prompt tokens looked up in the prefix cache / found;
                                          on_step calls it itself with the growth of the block
@@ -110,6 +110,7 @@ class EngineStats:
         self._prefix_seen = (0, 0)   # the block manager's cumulative (queries, hits) at the last step
         self._copies_seen = 0        # the block manager's cumulative copy-on-write count at the last step
         self._window_freed_seen = 0  # the block manager's cumulative window-freed count at the last step
+        self._preemptions_seen = dict.fromkeys(PREEMPTION_KINDS, 0)   # the scheduler's, at the last step
         # sequences already scheduled once: their queue time is counted; dropped when they end
         self._scheduled: set[int] = set()
 
@@ -125,20 +126,21 @@ class EngineStats:
         self.received.inc()
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def on_step(self, out, seconds: float, load) -> None:
-        """`out`: the SchedulerOutput sent; `seconds`: the round trip that just ended; `load`: the
-        scheduler's SchedulerLoad after it."""
+    def on_step(self, seqs, seconds: float, load) -> None:
+        """`seqs`: the sequences the step scheduled; `seconds`: the round trip that just ended; `load`:
+        the scheduler's SchedulerLoad after it."""
         now = time.monotonic()
         self.step_time.observe(seconds)
         step_started = now - seconds
-        for s in out.scheduled:
-            seq = s.seq
+        for seq in seqs:
             if seq.seq_id not in self._scheduled:
                 self._scheduled.add(seq.seq_id)
                 if seq.num_output_tokens == 0:   # not a sample or beam forked from a running sequence
                     self.queue_time.observe(max(0.0, step_started - seq.arrival_time))
-        if out.preempted:
-            self.preemptions["recompute"].inc(len(out.preempted))
+        for kind, total in (("recompute", load.num_preemptions), ("swap", load.num_swap_preemptions)):
+            if total > self._preemptions_seen[kind]:
+                self.preemptions[kind].inc(total - self._preemptions_seen[kind])
+                self._preemptions_seen[kind] = total
         self.refresh_gauges(load)
         copies = load.num_cow_copies
         if copies > self._copies_seen:
@@ -194,11 +196,6 @@ class EngineStats:
         self.e2e.observe(time.monotonic() - seq.arrival_time)
         self.prompt_len.observe(seq.num_prompt_tokens)
         self.output_len.observe(seq.num_output_tokens if num_output_tokens is None else num_output_tokens)
-
-    def on_preemption(self, kind: str, num_seqs: int = 1) -> None:
-        """Preemptions that on_step does not see in `out.preempted` (which it counts as recompute)."""
-        assert kind in self.preemptions, f"unknown preemption kind {kind!r}"
-        self.preemptions[kind].inc(num_seqs)
 
     def on_swap(self, num_blocks_out: int, num_blocks_in: int) -> None:
         self.swap_blocks["out"].inc(num_blocks_out)

@@ -1,8 +1,11 @@
 """Applies what a step sampled to the requests: appends tokens, checks stops and lengths,
 detokenizes, forks parallel samples, advances beams, and completes requests.
 
-It owns the map from live sequence to request. It calls the scheduler only to fork a sequence,
-queue a new one, or end one (which frees its blocks and tells the data plane to forget it).
+It owns the map from live sequence to request. It never touches the scheduler: process() and
+end() return what they decided about sequences (scheduler.Finish, scheduler.Fork), in order, for
+Scheduler.apply to carry out (free the blocks, tell the data plane to forget, share the blocks).
+A sequence decided finished has its finish_reason set at once, so that the rest of the same
+result sees it ended.
 """
 from __future__ import annotations
 
@@ -12,22 +15,22 @@ from collections import defaultdict
 
 from control_plane import prompt_scoring
 from control_plane.request import Request, RequestOutput
-from control_plane.scheduler import Scheduler
-from control_plane.sequence import Sequence, SeqStatus
-from shared.protocol import SampledToken
+from control_plane.scheduler import Finish, Fork
+from control_plane.sequence import Sequence
+from shared.protocol import SampledToken, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.control_plane")
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, stats, tokenizer, eos_token_ids: list[int], max_model_len: int):
-        self.scheduler = scheduler
+    def __init__(self, stats, tokenizer, eos_token_ids: list[int], max_model_len: int):
         self.stats = stats
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len      # the engine updates it when a new data plane answers
         self.owners: dict[int, Request] = {}    # live sequence id -> its request
         self.matchers = None                     # structured output (control_plane.structured.Matchers)
+        self._decided: list = []                 # Finish / Fork decisions of the call under way
 
     def register(self, req: Request, seq: Sequence) -> None:
         req.add_seq(seq)
@@ -36,13 +39,25 @@ class OutputProcessor:
     def live_requests(self) -> list[Request]:
         return list({id(r): r for r in self.owners.values()}.values())
 
+    def _take(self) -> list:
+        decided, self._decided = self._decided, []
+        return decided
+
+    def masks(self, plan: StepPlan) -> list[tuple[int, bytes]]:
+        """Token masks of the constrained sequences that sample in `plan` (none without structured output)."""
+        if self.matchers is None or not self.matchers.by_seq:
+            return []
+        seq_ids = [s.seq_id for s in plan.new_seqs] + [s.seq_id for s in plan.cached_seqs]
+        return self.matchers.step_masks([self.owners[i].seqs[i] for i in seq_ids if i in self.owners])
+
     # --- a step's result ------------------------------------------------------------------
-    def apply(self, sampled: list[SampledToken], prompt_scores=()) -> None:
-        """prompt_scores: the step's PromptLogprobs, recorded before the tokens so that a request's prompt
-        log-probs are whole when its first output is emitted."""
-        prompt_scoring.record(self.owners, prompt_scores)
+    def process(self, result: StepResult) -> list:
+        """Appends a step's sampled tokens and emits what they add; returns the decisions about
+        sequences. The step's prompt log-probs are recorded before the tokens so that a request's
+        prompt log-probs are whole when its first output is emitted."""
+        prompt_scoring.record(self.owners, result.prompt_logprobs)
         draws: dict[int, list[SampledToken]] = defaultdict(list)
-        for tok in sampled:
+        for tok in result.sampled:
             draws[tok.seq_id].append(tok)
         beam_requests = []
         for seq_id, seq_draws in draws.items():
@@ -63,11 +78,12 @@ class OutputProcessor:
                 self.register(req, child)
                 if self.matchers is not None:
                     self.matchers.fork(seq.seq_id, child.seq_id, child.output_token_ids)
-                self.scheduler.fork(seq, child)
+                self._decided.append(Fork(seq, child))
                 self._on_token(req, child, draw)
             self._on_token(req, seq, seq_draws[0])
         for req in beam_requests:
             self._beam_step(req)
+        return self._take()
 
     def _on_token(self, req: Request, seq: Sequence, sampled: SampledToken) -> None:
         params = req.params
@@ -91,7 +107,7 @@ class OutputProcessor:
                                    logprobs, reason is not None, reason, seq.num_prompt_tokens,
                                    seq.num_output_tokens))
         if reason:
-            self.end_seq(req, seq, reason)
+            self._end_seq(req, seq, reason)
             if not req.live_seqs():
                 self._complete(req)
 
@@ -105,7 +121,7 @@ class OutputProcessor:
                                        seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens))
         else:
             ranked = sorted(req.seqs.values(), key=lambda s: s.sample_index)
-        self.close(req, ranked[0].finish_reason, sum(s.num_output_tokens for s in ranked))
+        self._close(req, ranked[0].finish_reason, sum(s.num_output_tokens for s in ranked))
 
     def _beam_step(self, req: Request) -> None:
         beam = req.beam
@@ -113,7 +129,7 @@ class OutputProcessor:
         choices, done = beam.step({s.seq_id: s.output_token_ids for s in live})
         if done:
             for seq in live:
-                self.end_seq(req, seq, "beam_done")
+                self._end_seq(req, seq, "beam_done")
             best = beam.best(req.params.n)
             for index, hyp in enumerate(best):
                 text = self.tokenizer.decode(hyp.output_ids, skip_special_tokens=True)
@@ -121,24 +137,21 @@ class OutputProcessor:
                                        len(req.prompt_ids), len(hyp.output_ids)))
             returned = sum(len(h.output_ids) for h in best)
             self.stats.on_generated(returned)
-            self.close(req, best[0].finish_reason if best else "length", returned)
+            self._close(req, best[0].finish_reason if best else "length", returned)
             return
         picks: dict[int, list] = defaultdict(list)
         for choice in choices:
             picks[choice.parent_seq_id].append(choice)
         for seq in live:            # dropped beams first: their blocks make room for the copies
             if not picks[seq.seq_id]:
-                self.end_seq(req, seq, "beam_pruned")
+                self._end_seq(req, seq, "beam_pruned")
         for seq in live:
             mine = picks[seq.seq_id]
             for extra in mine[1:]:
                 child = Sequence(req.request_id, list(seq.token_ids), seq.num_prompt_tokens, req.params, seq.spec,
                                  sample_index=len(req.seqs), arrival_time=seq.arrival_time)
                 self.register(req, child)
-                if seq.status is SeqStatus.RUNNING:
-                    self.scheduler.fork(seq, child)      # shares every block, copy-on-write
-                else:
-                    self.scheduler.add(child)            # the parent was preempted: recompute
+                self._decided.append(Fork(seq, child))
                 child.token_ids.append(extra.token_id)
                 beam.scores[child.seq_id] = extra.score
             if mine:
@@ -146,8 +159,17 @@ class OutputProcessor:
                 beam.scores[seq.seq_id] = mine[0].score
 
     # --- ending sequences and requests ----------------------------------------------------
-    def end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
-        self.scheduler.finish(seq, reason)
+    def end(self, req: Request, reason: str, error: str | None = None) -> list:
+        """Ends a request from outside a step (abort, timeout, shutdown, a failed step: `error` is
+        what its client is told): every live sequence ends with `reason`. Returns the decisions."""
+        for seq in req.live_seqs():
+            self._end_seq(req, seq, reason, error)
+        self._close(req, reason)
+        return self._take()
+
+    def _end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.finish_reason = reason
+        self._decided.append(Finish(seq, reason))
         self.owners.pop(seq.seq_id, None)
         if self.matchers is not None:
             self.matchers.drop(seq.seq_id)
@@ -157,18 +179,9 @@ class OutputProcessor:
             req.emit(RequestOutput(seq.sample_index, detok.take_new_text(True) if detok else "", [], [], True,
                                    reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
 
-    def close(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
+    def _close(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
         req.finished = True
         req.end_reason = reason
         first_seq = next(iter(req.seqs.values()))
         self.stats.on_finish(first_seq, reason, num_output_tokens)
         req.emit(RequestOutput(-1, "", [], [], True, None))   # wakes a reader waiting on the queue
-
-    def end_request(self, req: Request, reason: str, error: str | None = None) -> None:
-        """Ends every live sequence of a request with `reason` and closes it."""
-        for seq in req.live_seqs():
-            self.end_seq(req, seq, reason, error)
-        self.close(req, reason)
-
-    def fail(self, req: Request, error: str) -> None:
-        self.end_request(req, "error", error)

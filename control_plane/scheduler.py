@@ -14,8 +14,11 @@ token sampled last step). Each step:
   3. then, if none is left swapped, waiting sequences are admitted in order while budget,
      batch size and free blocks (above a small watermark) allow.
 
-A sent plan is committed (commit): its sequences count the tokens it computes as computed. With
-overlap on, the next step is planned while the data plane still runs this one: a sequence that
+The step is two calls, as in vLLM V1. schedule() returns the StepPlan to send and records at once
+what it tells the data plane (_update_after_schedule): its sequences count the tokens it computes as
+computed. update(plan, result) applies the result: the blocks it filled join the prefix cache; then
+apply() carries out what the output processor decided about the sampled tokens (a sequence ends, a
+sample or beam forks). Nothing else changes the queues. With overlap on, the next step is planned while the data plane still runs this one: a sequence that
 this step samples, and whose next step does not depend on the token drawn, counts that token as
 pending (Sequence.num_pending_tokens) and is planned one token ahead; the data plane appended the
 token itself. A sequence whose next step needs the token first (a beam: the control plane
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from control_plane.block_manager import BlockManager, Growth
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sequence import Sequence, SeqStatus
+from shared.protocol import CachedSequence, NewSequence, StepPlan, StepResult
 
 WATERMARK_FRACTION = 0.01  # blocks kept free at admission so running sequences can grow
 
@@ -45,16 +49,28 @@ def run_order(seq: Sequence) -> tuple:
 
 
 @dataclass
-class ScheduledSeq:
+class _Scheduled:
+    """One sequence's share of a step, kept until the step's result is applied."""
     seq: Sequence
     num_new_tokens: int
     growth: Growth             # blocks appended to its table this step, copy-on-write copies
     is_new: bool               # the data plane does not know it: send it in full
-    predicted: bool = False    # commit counted the token this step samples as pending (overlap)
+    predicted: bool = False    # the token this step samples counts as pending (overlap)
 
-    @property
-    def new_block_ids(self) -> list[int]:
-        return self.growth.new_block_ids
+
+@dataclass
+class Finish:
+    """The output processor's decision: `seq` ends with `reason` (stop, length, abort, error...)."""
+    seq: Sequence
+    reason: str
+
+
+@dataclass
+class Fork:
+    """A parallel sample or beam `child` starts from `parent`: it shares the parent's blocks when the
+    parent runs, and is queued for recompute when the parent waits (preempted)."""
+    parent: Sequence
+    child: Sequence
 
 
 @dataclass
@@ -70,27 +86,28 @@ class SchedulerLoad:
     prefix_queries: int            # prompt tokens looked up in the prefix cache so far
     prefix_hits: int               # of which found
     num_window_freed: int = 0      # blocks given back so far because they left every layer's window
+    num_preemptions: int = 0       # sequences dropped for recompute so far
+    num_swap_preemptions: int = 0  # sequences swapped out so far
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)     # dropped for recompute
-    swapped_out: list[Sequence] = field(default_factory=list)   # moved to the CPU pool
-    forget_seq_ids: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
+class _Step:
+    """What schedule() is deciding: the plan and the sequences it schedules."""
+    plan: StepPlan
+    scheduled: list[_Scheduled] = field(default_factory=list)
+    evicted: bool = False      # a request gave way this step: nothing swapped in or admitted
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.forget_seq_ids and not self.swap_out
+
+def is_empty(plan: StepPlan) -> bool:
+    """Whether a plan does nothing the data plane must do now (it need not be sent)."""
+    return not (plan.new_seqs or plan.cached_seqs or plan.forget_seq_ids or plan.swap_out)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: PreemptionPolicy | None = None, overlap: bool = False):
         self.bm = block_manager
-        self.overlap = overlap      # plans may be sent before the previous step's result (see commit)
+        self.overlap = overlap      # plans may be sent before the previous step's result (see the top)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy or PreemptionPolicy("recompute", 1)
@@ -101,6 +118,8 @@ class Scheduler:
         self._forget: list[int] = []          # seq ids the data plane should drop at the next plan
         self.num_preemptions = 0
         self.watermark_blocks = watermark_of(block_manager)
+        self._step_id = 0
+        self._sent: dict[int, list[_Scheduled]] = {}   # step id -> what it scheduled, until update()
 
     # --- queues ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,6 +131,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence (stop, length, abort, error) wherever it is and frees its blocks."""
+        self._remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _remove(self, seq: Sequence) -> None:
+        """Out of its queue, blocks freed, forgotten by the data plane."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
@@ -121,12 +146,36 @@ class Scheduler:
             group.remove(seq)
             if not group:
                 self.swapped.remove(group)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
         self.bm.free(seq.seq_id)
         if seq.known_to_data_plane:
             self._forget.append(seq.seq_id)
             seq.known_to_data_plane = False
+
+    def set_aside(self, seqs: list[Sequence]) -> None:
+        """Takes live sequences out of every queue to be recomputed later (requeue_front brings them
+        back): their blocks are freed and the data plane forgets them; they keep their tokens."""
+        for seq in seqs:
+            self._remove(seq)
+            seq.status, seq.finish_reason, seq.num_computed_tokens = SeqStatus.WAITING, None, 0
+
+    def requeue_front(self, seqs: list[Sequence]) -> None:
+        """Sequences (one request's) go to the head of the waiting queue, in order, to be recomputed."""
+        self.set_aside(seqs)
+        for seq in reversed(seqs):
+            self.waiting.appendleft(seq)
+
+    def apply(self, decisions: list) -> None:
+        """Carries out, in order, what the output processor decided (Finish, Fork)."""
+        for d in decisions:
+            if isinstance(d, Finish):
+                self.finish(d.seq, d.reason)
+            elif d.parent.status is SeqStatus.RUNNING:
+                self.bm.fork(d.parent.seq_id, d.child.seq_id)   # shares every block, copy-on-write
+                d.child.num_computed_tokens = d.parent.num_computed_tokens
+                d.child.status = SeqStatus.RUNNING
+                self.running.append(d.child)
+            else:
+                self.add(d.child)          # the parent was preempted: the child is recomputed too
 
     def _group_at(self, index: int) -> list[Sequence]:
         """The running sequences of one request (parallel samples, beams): contiguous once sorted."""
@@ -152,44 +201,45 @@ class Scheduler:
                                                  write_from=seq.num_computed_tokens)
         return wanted
 
-    def _evict(self, group: list[Sequence], out: SchedulerOutput) -> None:
+    def _evict(self, group: list[Sequence], step: _Step) -> None:
         """A whole request gives its blocks back: swapped out, or dropped for recompute. Never only
         part of it: a beam or sample left behind would hold blocks while waiting for the others."""
+        step.evicted = True
         seq_ids = [s.seq_id for s in group]
         mode = self.policy.choose(group, self.bm.num_blocks_of(seq_ids), self.bm.can_swap_out(seq_ids))
         if mode == "swap":
-            self._swap_out(group, out)
+            self._swap_out(group, step.plan)
         else:
             for seq in reversed(group):   # appendleft in reverse keeps the group in order
-                self._preempt(seq, out)
+                self._preempt(seq, step.plan)
 
-    def _swap_out(self, group: list[Sequence], out: SchedulerOutput) -> None:
-        out.swap_out.extend(self.bm.swap_out([s.seq_id for s in group]))
+    def _swap_out(self, group: list[Sequence], plan: StepPlan) -> None:
+        plan.swap_out.extend(self.bm.swap_out([s.seq_id for s in group]))
         for seq in group:
             self.running.remove(seq)
             seq.status = SeqStatus.SWAPPED
             if seq.known_to_data_plane:   # it is sent in full again, with its new blocks, at swap-in
-                out.forget_seq_ids.append(seq.seq_id)
+                plan.forget_seq_ids.append(seq.seq_id)
                 seq.known_to_data_plane = False
         self.swapped.append(group)
-        out.swapped_out.extend(group)
         self.num_swap_preemptions += len(group)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
         if seq.known_to_data_plane:
-            out.forget_seq_ids.append(seq.seq_id)
+            plan.forget_seq_ids.append(seq.seq_id)
             seq.known_to_data_plane = False
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
         self.num_preemptions += 1
 
     # --- one step -------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(forget_seq_ids=self._forget)
+    def schedule(self) -> StepPlan:
+        """Decides the next step and returns its plan, already recorded as sent (see the top)."""
+        self._step_id += 1
+        step = _Step(StepPlan(self._step_id, forget_seq_ids=self._forget))
         self._forget = []
         budget = self.max_num_batched_tokens
         # most important first; the last request in this order is the first to give way
@@ -200,7 +250,7 @@ class Scheduler:
             # room for the whole request first; the latest-arriving request gives way, whole
             while self._blocks_wanted(group, budget) > self.bm.num_free_blocks():
                 victim = self._last_group()
-                self._evict(victim, out)
+                self._evict(victim, step)
                 if victim[0] is group[0]:
                     break
             if group[0].status is not SeqStatus.RUNNING:
@@ -211,20 +261,41 @@ class Scheduler:
                     continue   # waits for a token (a beam, a sample to fork; overlap), or no budget left
                 growth = self._grow(seq, num_new)
                 assert growth is not None, "room was made for the whole group"
-                out.scheduled.append(ScheduledSeq(seq, num_new, growth, not seq.known_to_data_plane))
+                step.scheduled.append(_Scheduled(seq, num_new, growth, not seq.known_to_data_plane))
                 budget -= num_new
             i += len(group)
-        if not out.preempted and not out.swapped_out:
-            budget = self._swap_in(out, budget)
+        if not step.evicted:
+            budget = self._swap_in(step, budget)
             if not self.swapped:
-                self._admit(out, budget)
-        return out
+                self._admit(step, budget)
+        self._write_plan(step)
+        self._update_after_schedule(step)
+        return step.plan
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """The plan built from `out` was sent: the data plane now knows every scheduled sequence
-        and every token the plan carried, and computes what it scheduled (the one place these are
-        recorded). With overlap, a token it samples may be counted as pending (see the top)."""
-        for s in out.scheduled:
+    def _write_plan(self, step: _Step) -> None:
+        """What the data plane needs of each scheduled sequence, read before _update_after_schedule
+        moves the counters."""
+        plan = step.plan
+        for s in step.scheduled:
+            seq = s.seq
+            plan.copies.extend((src, dst) for _, src, dst in s.growth.copies)
+            if s.is_new:
+                # sent once in full: every known token (outputs too, after a recompute preemption)
+                plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                                 seq.num_computed_tokens, s.num_new_tokens,
+                                                 self.bm.block_ids(seq.seq_id), seq.spec))
+            else:
+                # a beam's tokens are chosen here: send those the data plane does not have yet (any
+                # other sequence's new token was sampled, and appended, by the data plane itself)
+                tokens = seq.token_ids[seq.num_tokens_sent:] if seq.spec.beam_width else []
+                plan.cached_seqs.append(CachedSequence(seq.seq_id, s.num_new_tokens, list(s.growth.new_block_ids),
+                                                       tokens, [(index, dst) for index, _, dst in s.growth.copies]))
+
+    def _update_after_schedule(self, step: _Step) -> None:
+        """The plan is sent: the data plane now knows every scheduled sequence and every token the
+        plan carried, and computes what it scheduled (the one place these are recorded). With
+        overlap, a token it samples may be counted as pending (see the top)."""
+        for s in step.scheduled:
             seq = s.seq
             seq.known_to_data_plane = True
             seq.num_tokens_sent = seq.num_tokens
@@ -232,6 +303,8 @@ class Scheduler:
             if self.overlap and seq.num_computed_tokens == seq.num_expected_tokens and self._plans_ahead(seq):
                 seq.num_pending_tokens += 1
                 s.predicted = True
+        if step.scheduled:
+            self._sent[step.plan.step_id] = step.scheduled
 
     @staticmethod
     def _plans_ahead(seq: Sequence) -> bool:
@@ -243,17 +316,31 @@ class Scheduler:
             return False        # the first token of parallel samples: they fork from the result
         return num_output + 1 < seq.params.max_tokens    # else it surely ends with this token
 
-    def on_result(self, out: SchedulerOutput) -> None:
-        """The result of the plan built from `out` came back (with its tokens, or an error)."""
-        for s in out.scheduled:
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """The result of `plan` came back (its tokens, or an error). Returns the sequences it scheduled.
+        On success the blocks it filled join the prefix cache, then those that left the sliding
+        window go back to the pool (registered first, so that they can still serve a prefix until
+        the pool hands them out again). (With overlap, a later step planned since may count tokens
+        not known yet: those wait.) The sampled tokens are the output processor's to append, after
+        this: apply() then carries out what it decided."""
+        scheduled = self._sent.pop(plan.step_id, [])
+        for s in scheduled:
             if s.predicted:
                 s.seq.num_pending_tokens -= 1
+        if not result.error:
+            for s in scheduled:
+                seq = s.seq
+                if seq.status is SeqStatus.RUNNING:
+                    computed = min(seq.num_computed_tokens, seq.num_tokens)
+                    self.bm.cache_computed_blocks(seq.seq_id, seq.token_ids, computed)
+                    self.bm.free_outside_window(seq.seq_id, computed)
+        return [s.seq for s in scheduled]
 
     def _grow(self, seq: Sequence, num_new: int, reserve: int = 0) -> Growth | None:
         return self.bm.grow(seq.seq_id, seq.num_computed_tokens + num_new, write_from=seq.num_computed_tokens,
                             reserve=reserve)
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+    def _swap_in(self, step: _Step, budget: int) -> int:
         while self.swapped:
             group = self.swapped[0]
             if any(s.num_pending_tokens for s in group):
@@ -266,7 +353,7 @@ class Scheduler:
             if pairs is None:
                 break
             self.swapped.popleft()
-            out.swap_in.extend(pairs)
+            step.plan.swap_in.extend(pairs)
             for seq in group:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
@@ -274,11 +361,11 @@ class Scheduler:
                 if n:
                     growth = self._grow(seq, n)
                     assert growth is not None, "swap-in reserved room for growth"
-                    out.scheduled.append(ScheduledSeq(seq, n, growth, True))
+                    step.scheduled.append(_Scheduled(seq, n, growth, True))
                     budget -= n
         return budget
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, step: _Step, budget: int) -> None:
         while self.waiting and budget > 0:
             head = self.waiting[0]
             group = [head]
@@ -306,28 +393,9 @@ class Scheduler:
                 self.waiting.popleft()
                 member.status = SeqStatus.RUNNING
                 self.running.append(member)
-            out.scheduled.append(ScheduledSeq(seq, num_new, growth, True))
+            step.scheduled.append(_Scheduled(seq, num_new, growth, True))
             budget -= num_new
             # the rest of a group is scheduled with the running requests from the next step on
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """The child shares all of the parent's blocks and computed tokens, and runs beside it."""
-        self.bm.fork(parent.seq_id, child.seq_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SeqStatus.RUNNING
-        self.running.append(child)
-
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """The data plane computed what `out` scheduled: the blocks it filled join the prefix cache,
-        then those that left the sliding window go back to the pool (registered first, so that they
-        can still serve a prefix until the pool hands them out again). (With overlap, a later step
-        committed since may count tokens not known yet: those wait.)"""
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.status is SeqStatus.RUNNING:
-                computed = min(seq.num_computed_tokens, seq.num_tokens)
-                self.bm.cache_computed_blocks(seq.seq_id, seq.token_ids, computed)
-                self.bm.free_outside_window(seq.seq_id, computed)
 
     def restart(self, block_manager: BlockManager) -> int:
         """The data plane came back with a new, empty pool: every unfinished sequence waits to be
@@ -336,11 +404,12 @@ class Scheduler:
         self.bm = block_manager
         self.watermark_blocks = watermark_of(block_manager)   # the new pool may differ in size
         self.running, self._forget = [], []
+        self._sent.clear()                  # the steps in flight are lost with the old data plane
         self.swapped.clear()
         self.waiting.clear()
         for seq in sorted(seqs, key=run_order):
             seq.status, seq.num_computed_tokens, seq.known_to_data_plane = SeqStatus.WAITING, 0, False
-            seq.num_pending_tokens = 0      # the steps in flight are lost with the old data plane
+            seq.num_pending_tokens = 0
             self.waiting.append(seq)
         return len(seqs)
 
@@ -348,7 +417,7 @@ class Scheduler:
         bm = self.bm
         return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), bm.usage(), bm.cpu_usage(),
                              bm.num_cow_copies, bm.num_shared_blocks, bm.prefix_queries, bm.prefix_hits,
-                             bm.num_window_freed)
+                             bm.num_window_freed, self.num_preemptions, self.num_swap_preemptions)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity()

@@ -37,7 +37,7 @@ class Sequence:
     # overlap: tokens the data plane samples, and appends itself, in steps still in flight; the
     # control plane learns them with those steps' results (see Scheduler.commit)
     num_pending_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: str | None = None    # set when its end is decided (the scheduler frees it after)
     cumulative_logprob: float = 0.0
 
     @property
@@ -63,4 +63,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
+        return self.finish_reason is not None

@@ -43,7 +43,7 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
     for i, ((client, hs), child) in enumerate(zip(connected, children)):
         if hs is None:   # a replica down at start: its engine connects first (engine.run), then serves
             engine = Engine(cp, DataPlaneClient(addresses[i], cp.curve_keys), first_hs, tokenizer)
-            engine.awaiting_handshake, engine.data_plane_alive = True, False
+            engine.start_unconnected()
             engines.append(engine)
             continue
         log.info("data plane %d ready: %s on %s, %s, %d blocks of %d tokens, max length %d", i, hs.model_id,

@@ -17,65 +17,82 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from control_plane.output_processor import OutputProcessor
 from control_plane.request import Request
-from control_plane.sequence import SeqStatus
+from control_plane.scheduler import Scheduler
+from control_plane.sequence import Sequence
 
 log = logging.getLogger("pagedserve.control_plane")
 
 
 class FailureIsolation:
-    def __init__(self, engine):
-        self.engine = engine
+    """`wake`: called when held requests are queued again, so that an idle engine loop runs them."""
+
+    def __init__(self, scheduler: Scheduler, outputs: OutputProcessor, wake):
+        self.scheduler = scheduler
+        self.outputs = outputs
+        self.wake = wake
         self.unproven: set[int] = set()          # id() of requests with no successful step yet
         self.held: deque[Request] = deque()      # suspects waiting to run as the only one
         self.probe: Request | None = None        # the suspect let back, until a step of it succeeds
 
+    def forget(self, requests: list[Request]) -> None:
+        """These requests leave this engine (moved to another replica): no longer held or probed here."""
+        moving = {id(r) for r in requests}
+        self.held = deque(r for r in self.held if id(r) not in moving)
+        if self.probe is not None and id(self.probe) in moving:
+            self.probe = None
+        self.unproven -= moving
+
     def admitted(self, req: Request) -> None:
-        if len(self.unproven) > 64 + 2 * len(self.engine.owners):
+        owners = self.outputs.owners
+        if len(self.unproven) > 64 + 2 * len(owners):
             # ids of requests that ended unproven: drop them (the live ones are all in owners)
-            self.unproven &= {id(r) for r in self.engine.owners.values()}
+            self.unproven &= {id(r) for r in owners.values()}
         self.unproven.add(id(req))
 
-    def _requests(self, out) -> list[Request]:
+    def _requests(self, seqs: list[Sequence]) -> list[Request]:
         found: dict[int, Request] = {}
-        for s in out.scheduled:
-            req = self.engine.owners.get(s.seq.seq_id)
+        for seq in seqs:
+            req = self.outputs.owners.get(seq.seq_id)
             if req is not None and not req.finished:
                 found[id(req)] = req
         return list(found.values())
 
-    def on_success(self, out) -> None:
-        for req in self._requests(out):
+    def on_success(self, seqs: list[Sequence]) -> None:
+        """A step of `seqs` succeeded: their requests are proven."""
+        for req in self._requests(seqs):
             self.unproven.discard(id(req))
             if req is self.probe:
                 self.probe = None
 
-    def on_failure(self, out, error: str) -> None:
-        reqs = self._requests(out)
+    def on_failure(self, seqs: list[Sequence], error: str) -> None:
+        """A step of `seqs` failed with `error`."""
+        reqs = self._requests(seqs)
         unproven = [r for r in reqs if id(r) in self.unproven]
         if len(reqs) == 1 or len(unproven) == 1:
             guilty = reqs[0] if len(reqs) == 1 else unproven[0]
             log.error("step failed (%s); failing request %s, the only suspect of %d", error, guilty.request_id,
                       len(reqs))
-            self._forget(guilty)
-            self.engine.outputs.fail(guilty, error)
+            self.unproven.discard(id(guilty))
+            self.scheduler.apply(self.outputs.end(guilty, "error", error))
             for req in reqs:
                 if req is not guilty:
-                    self._requeue(req)
+                    self._recompute(req, self.scheduler.requeue_front)
             return
         suspects = unproven or reqs
         log.error("step failed (%s) with %d suspect requests; they run one at a time to find the culprit",
                   error, len(suspects))
         for req in reqs:
             if req in suspects:
-                self._take_out(req)
+                self._recompute(req, self.scheduler.set_aside)
                 if req is self.probe:
                     self.probe = None
                     self.held.appendleft(req)
                 else:
                     self.held.append(req)
             else:
-                self._requeue(req)
+                self._recompute(req, self.scheduler.requeue_front)
 
     def release(self) -> None:
         """Lets the next held suspect back once the previous one is proven (or ended)."""
@@ -86,27 +103,13 @@ class FailureIsolation:
             if req.finished:
                 continue   # aborted or timed out while held
             self.probe = req
-            self._queue_front(req)
+            self.scheduler.requeue_front(req.live_seqs())
+            self.wake()
 
-    # --- moving a request's sequences --------------------------------------------------------
-    def _take_out(self, req: Request) -> None:
-        """Out of the scheduler, blocks freed, forgotten by the data plane; still live for the API."""
-        sched = self.engine.scheduler
-        for seq in req.live_seqs():
-            sched.finish(seq, "requeue")
-            seq.status, seq.finish_reason, seq.num_computed_tokens = SeqStatus.WAITING, None, 0
+    def _recompute(self, req: Request, move) -> None:
+        """The request's sequences start over (`move`: the scheduler's requeue_front, or set_aside to
+        hold them); the data plane forgets them. They stay live for the API."""
+        move(req.live_seqs())
         if req.beam is not None:
             req.beam.candidates.clear()   # the recomputed beams report again
         self.unproven.add(id(req))
-
-    def _queue_front(self, req: Request) -> None:
-        for seq in reversed(req.live_seqs()):
-            self.engine.scheduler.waiting.appendleft(seq)
-        self.engine._wakeup.set()
-
-    def _requeue(self, req: Request) -> None:
-        self._take_out(req)
-        self._queue_front(req)
-
-    def _forget(self, req: Request) -> None:
-        self.unproven.discard(id(req))

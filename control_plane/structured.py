@@ -146,7 +146,8 @@ class Matchers:
         self.by_seq.pop(seq_id, None)
         self.compiled.pop(seq_id, None)
 
-    def step_masks(self, scheduled) -> list[tuple[int, bytes]]:
-        """Masks of the constrained sequences that sample this step (their last token is computed)."""
-        return [(s.seq.seq_id, self.mask(s.seq.seq_id)) for s in scheduled
-                if s.seq.seq_id in self.by_seq and s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens]
+    def step_masks(self, seqs) -> list[tuple[int, bytes]]:
+        """Masks of the constrained sequences among a planned step's `seqs` that sample in it: those whose
+        every token the plan computes (the plan has already counted them as computed)."""
+        return [(seq.seq_id, self.mask(seq.seq_id)) for seq in seqs
+                if seq.seq_id in self.by_seq and seq.num_computed_tokens >= seq.num_tokens]

@@ -115,7 +115,7 @@ class Handshake:
     owner_token: str = ""    # proves ownership when the owner says HELLO again
     # every layer attends to at most this many positions, its own included: blocks wholly before
     # the window of a sequence's next query are never read again and may be freed. 0: some layer
-    # sees the whole context (or an older data plane that does not say): nothing is freed
+    # sees the whole context: nothing is freed
     sliding_window: int = 0
 
     def to_wire(self) -> list:
@@ -127,13 +127,13 @@ class Handshake:
     @classmethod
     def from_wire(cls, body: list) -> "Handshake":
         b = _list(body)
-        if not 12 <= len(b) <= 14:   # trailing fields added later are optional: older peers omit them
-            raise ProtocolError(f"a handshake has 12 to 14 fields, got {len(b)}")
-        window = _int(b[13]) if len(b) == 14 else 0
+        if len(b) != 14:   # both planes ship in one package: every field is always sent
+            raise ProtocolError(f"a handshake has 14 fields, got {len(b)}")
+        window = _int(b[13])
         if window < 0:
             raise ProtocolError(f"a handshake's sliding window must be >= 0, got {window}")
         return cls(_str(b[0]), *(_int(v) for v in b[1:5]), _str(b[5]), *(_int(v) for v in b[6:10]),
-                   _str(b[10]), _ints(b[11]), _str(b[12]) if len(b) >= 13 else "", window)
+                   _str(b[10]), _ints(b[11]), _str(b[12]), window)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Plays the control plane over a runner, synchronously: the real scheduler and block manager, each
-step's plan built as the engine builds it, the result's tokens appended, until every sequence has
-`max_tokens` outputs. No output processing (stops, detokenizing): the tests that use it compare the
+step the engine's two scheduler calls (schedule, then update with the result), the result's tokens
+appended, until every sequence has `max_tokens` outputs. No output processing (stops, detokenizing): the tests that use it compare the
 data plane's tokens with transformers' or with another data plane's.
 
 The runner is anything with `execute(plan) -> StepResult`: the ModelRunner in-process, or a data
@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from control_plane.block_manager import BlockManager
-from control_plane.plan_builder import build_plan
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sampling_params import SamplingParams
-from control_plane.scheduler import Scheduler
+from control_plane.scheduler import Finish, Scheduler
 from control_plane.sequence import Sequence
 
 
@@ -32,8 +31,8 @@ class Played:
 
 def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
-         mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0, sliding_window: int = 0,
-         first_step: int = 0) -> Played:
+         mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
+         sliding_window: int = 0) -> Played:
     """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
     number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
@@ -51,23 +50,21 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     logprobs: dict[int, list[float]] = {s.seq_id: [] for s in seqs}
     for s in seqs:
         sched.add(s)
-    step = first_step
     peak = 0
     while sched.has_work():
-        out = sched.schedule()
-        step += 1
-        assert step - first_step < 50 * len(prompts) * (max_tokens + 1), "the scheduler makes no progress"
-        plan = build_plan(step, out, sched.bm)
-        sched.commit(out)                 # what the engine does with a plan it sends
+        plan = sched.schedule()
+        assert plan.step_id < 50 * len(prompts) * (max_tokens + 1), "the scheduler makes no progress"
         result = runner.execute(plan)
         assert result.error is None, result.error
-        sched.on_step_done(out)
+        sched.update(plan, result)
+        ended = []
         for tok in result.sampled:
             seq = by_id[tok.seq_id]
             seq.token_ids.append(tok.token_id)
             logprobs[tok.seq_id].append(tok.logprob)
             if seq.num_output_tokens >= max_tokens:
-                sched.finish(seq, "length")
+                ended.append(Finish(seq, "length"))
+        sched.apply(ended)
         sched.check_integrity()
         peak = max(peak, num_blocks - bm.num_free_blocks())
     assert bm.num_free_blocks() == num_blocks, "blocks leaked"

@@ -178,6 +178,8 @@ class StubRunner:
 # --- the engine in-process ------------------------------------------------------------------------------
 class LocalClient:
     """Stands in for the ZeroMQ client: hands each plan straight to a ModelRunner."""
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     def __init__(self, runner):
         self.runner = runner
         self.plans = []
@@ -193,6 +195,8 @@ class LocalClient:
 class InProcessClient:
     """Stands in for the ZeroMQ client: the runner executes plans in the order they were sent, as
     the data plane's loop does, when their result is asked for."""
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     def __init__(self, runner):
         self.runner = runner
         self.sent = []          # plans sent and not yet executed
@@ -263,6 +267,8 @@ def assert_pool_clean(engine):
 
 
 class _NoDataPlane:
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     async def step(self, plan, timeout):
         raise AssertionError("nothing may reach the data plane")
 

@@ -15,23 +15,10 @@ from control_plane.engine import Engine
 from data_plane import attention
 from data_plane.model_runner import ModelRunner
 from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.helpers import tiny_llama
+from tests.helpers import LocalClient, tiny_llama
 from tests.servers import free_port
 
 MODEL_NAME = "tiny-chat"
-
-
-class LocalClient:
-    """Stands in for the ZeroMQ client: each plan goes straight to the runner."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-
-    async def step(self, plan, timeout):
-        return self.runner.execute(plan)
-
-    async def ping(self, timeout):
-        return None
 
 
 class InProcessServer:

@@ -65,6 +65,8 @@ class RestartingClient:
     result comes back; the next handshake answers from a new runner with an empty pool, as a
     restarted data plane would."""
 
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     def __init__(self, make, die_at=()):
         self.make = make
         self.runner = make()
@@ -122,10 +124,11 @@ def run(engine, client, job_list):
     schedule = engine.scheduler.schedule
 
     def recording_schedule():
-        out = schedule()
-        victims = [engine.owners[s.seq_id] for s in out.preempted + out.swapped_out if s.seq_id in engine.owners]
+        plan = schedule()
+        # a live sequence the data plane is told to forget was preempted or swapped out
+        victims = [engine.owners[seq_id] for seq_id in plan.forget_seq_ids if seq_id in engine.owners]
         stats["preempted_groups"] += any(req.params.best_of > 1 for req in victims)
-        return out
+        return plan
     engine.scheduler.schedule = recording_schedule
 
     async def drive():

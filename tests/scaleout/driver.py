@@ -1,11 +1,10 @@
 """Plays the control plane against data-plane processes over ZeroMQ, synchronously: the real
-scheduler and block manager, plans built as the engine builds them, greedy decoding."""
+scheduler and block manager, the engine's two scheduler calls per step, greedy decoding."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 
 import zmq
 
@@ -49,13 +48,11 @@ def start_data_plane(model: str, address: str, *extra: str, log_path: str | None
 
 def play_greedy(runner, prompts, max_tokens, num_blocks, budget=32, max_num_seqs=8, mode="recompute",
                 num_cpu_blocks=0, block_size=16, temperature=0.0, logprobs_out: list | None = None):
-    """Greedy outputs of `prompts` through tests/control_loop.py's `play`, with a fresh range of step
-    ids per call. Returns (outputs, preemptions, swaps). With `temperature` > 0 it samples unseeded;
+    """Greedy outputs of `prompts` through tests/control_loop.py's `play`. Returns (outputs, preemptions, swaps). With `temperature` > 0 it samples unseeded;
     `logprobs_out` then receives, per prompt, the log-probability the data plane reported for each
     token it drew."""
     played = play(runner, prompts, max_tokens, num_blocks=num_blocks, block_size=block_size, budget=budget,
-                  max_num_seqs=max_num_seqs, mode=mode, num_cpu_blocks=num_cpu_blocks, temperature=temperature,
-                  first_step=int(time.monotonic_ns() % 1_000_000))
+                  max_num_seqs=max_num_seqs, mode=mode, num_cpu_blocks=num_cpu_blocks, temperature=temperature)
     if logprobs_out is not None:
         logprobs_out.extend(played.logprobs)
     return played.outputs, played.preemptions, played.swap_preemptions

@@ -129,7 +129,7 @@ def test_a_replica_back_takes_the_requests_of_one_still_down_when_no_other_was_u
 
 def test_a_replica_down_at_start_joins_when_it_answers(reference):
     late = make_engine(FlakyClient, die_after_steps=0)
-    late.awaiting_handshake, late.data_plane_alive = True, False
+    late.start_unconnected()
     up = make_engine()
     router = Router([up, late])
     assert router.health()["replicas_down"] == [1]

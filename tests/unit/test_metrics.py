@@ -32,10 +32,6 @@ def fake_load(running=0, waiting=0, usage=0.5, **rest):
     return SchedulerLoad(running=running, waiting=waiting, kv_usage=usage, **fields)
 
 
-def step_out(scheduled=(), preempted=()):
-    return SimpleNamespace(scheduled=[SimpleNamespace(seq=s) for s in scheduled], preempted=list(preempted))
-
-
 def test_a_request_from_arrival_to_finish(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr("control_plane.metrics.time.monotonic", lambda: clock[0])
@@ -45,7 +41,7 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
     stats.on_arrival(5)
     clock[0] = 102.0
     before = dict(vars(seq))
-    stats.on_step(step_out([seq]), 0.5, fake_load(running=1, waiting=2, usage=0.25))
+    stats.on_step([seq], 0.5, fake_load(running=1, waiting=2, usage=0.25))
     assert vars(seq) == before                  # metrics read the sequence, never write it
     assert value(r, "pagedserve_request_queue_time_seconds_count") == 1
     assert value(r, "pagedserve_request_queue_time_seconds_sum") == 1.5
@@ -58,7 +54,7 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
     stats.on_token(seq, first=False)
     seq.num_output_tokens = 2
     clock[0] = 103.0
-    stats.on_step(step_out([seq]), 0.1, fake_load())    # already scheduled: no second queue time
+    stats.on_step([seq], 0.1, fake_load())    # already scheduled: no second queue time
     stats.on_finish(seq, "length")
     assert value(r, "pagedserve_request_queue_time_seconds_count") == 1
     assert value(r, "pagedserve_time_to_first_token_seconds_sum") == 2.0
@@ -78,34 +74,33 @@ def test_a_request_from_arrival_to_finish(monkeypatch):
 def test_forked_samples_add_no_queue_time():
     stats = EngineStats(MODEL)
     child = fake_seq(2, arrival=0.0, num_output=1)     # forked after its parent's first token
-    stats.on_step(step_out([child]), 0.1, fake_load())
-    stats.on_step(step_out([child]), 0.1, fake_load())
+    stats.on_step([child], 0.1, fake_load())
+    stats.on_step([child], 0.1, fake_load())
     assert value(stats.registry, "pagedserve_request_queue_time_seconds_count") == 0
 
 
 def test_preemptions_swap_and_prefix_cache():
     stats = EngineStats(MODEL)
     r = stats.registry
-    stats.on_step(step_out(preempted=[fake_seq(1, 0.0), fake_seq(2, 0.0)]), 0.1, fake_load())
-    stats.on_preemption("swap")
+    # the scheduler's cumulative preemption counts are turned into increments, step after step
+    stats.on_step([], 0.1, fake_load(num_preemptions=2))
+    stats.on_step([], 0.1, fake_load(num_preemptions=2, num_swap_preemptions=1))
     stats.on_swap(num_blocks_out=3, num_blocks_in=1)
     assert value(r, "pagedserve_num_preemptions_total", kind="recompute") == 2
     assert value(r, "pagedserve_num_preemptions_total", kind="swap") == 1
     assert value(r, "pagedserve_swap_blocks_total", direction="out") == 3
     assert value(r, "pagedserve_swap_blocks_total", direction="in") == 1
-    with pytest.raises(AssertionError):
-        stats.on_preemption("evict")
     # the block manager's cumulative prefix counters are turned into increments, step after step
-    stats.on_step(step_out(), 0.1, fake_load(prefix_queries=40, prefix_hits=16))
-    stats.on_step(step_out(), 0.1, fake_load(prefix_queries=40, prefix_hits=16))
-    stats.on_step(step_out(), 0.1, fake_load(prefix_queries=100, prefix_hits=48))
+    stats.on_step([], 0.1, fake_load(prefix_queries=40, prefix_hits=16))
+    stats.on_step([], 0.1, fake_load(prefix_queries=40, prefix_hits=16))
+    stats.on_step([], 0.1, fake_load(prefix_queries=100, prefix_hits=48))
     assert value(r, "pagedserve_prefix_cache_queries_total") == 100
     assert value(r, "pagedserve_prefix_cache_hits_total") == 48
 
 
 def test_swapped_queue_and_cpu_pool_are_read_when_present():
     stats = EngineStats(MODEL)
-    stats.on_step(step_out(), 0.1, fake_load(cpu_kv_usage=0.75, swapped=2))
+    stats.on_step([], 0.1, fake_load(cpu_kv_usage=0.75, swapped=2))
     assert value(stats.registry, "pagedserve_num_requests_swapped") == 2
     assert value(stats.registry, "pagedserve_cpu_kv_cache_usage_perc") == 0.75
 
@@ -169,8 +164,8 @@ def test_a_taken_metrics_port_is_not_fatal(caplog):
 
 def test_copy_on_write_and_shared_blocks_follow_the_block_manager():
     stats = EngineStats("m")
-    stats.on_step(step_out(), 0.01, fake_load(num_cow_copies=3, num_shared_blocks=2))
-    stats.on_step(step_out(), 0.01, fake_load(num_cow_copies=5, num_shared_blocks=0))
+    stats.on_step([], 0.01, fake_load(num_cow_copies=3, num_shared_blocks=2))
+    stats.on_step([], 0.01, fake_load(num_cow_copies=5, num_shared_blocks=0))
     r = stats.registry
     assert value(r, "pagedserve_kv_block_copies_total") == 5
     assert value(r, "pagedserve_kv_blocks_shared") == 0
@@ -179,6 +174,6 @@ def test_copy_on_write_and_shared_blocks_follow_the_block_manager():
 def test_blocks_freed_by_the_window_follow_the_block_manager():
     stats = EngineStats("m")
     assert value(stats.registry, "pagedserve_kv_blocks_freed_by_window_total") == 0   # exported from the start
-    stats.on_step(step_out(), 0.01, fake_load(num_window_freed=3))
-    stats.on_step(step_out(), 0.01, fake_load(num_window_freed=7))
+    stats.on_step([], 0.01, fake_load(num_window_freed=3))
+    stats.on_step([], 0.01, fake_load(num_window_freed=7))
     assert value(stats.registry, "pagedserve_kv_blocks_freed_by_window_total") == 7

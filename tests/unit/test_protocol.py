@@ -58,14 +58,12 @@ def test_a_cached_sequence_of_the_wrong_length_is_refused(cached):
         P.decode(frame)
 
 
-def test_handshake_carries_the_sliding_window_and_older_peers_still_decode():
+def test_handshake_carries_the_sliding_window_and_every_field_is_required():
     hs = P.Handshake("m", 100, 2, 1, 64, "float32", 16, 50, 0, 512, "cpu", [2], "tok", sliding_window=4096)
     assert P.decode(P.encode(P.HANDSHAKE, hs)) == (P.HANDSHAKE, hs)
     body = hs.to_wire()
-    # a data plane from before the field (13 fields, or 12 without an owner token): no window, nothing freed
-    assert P.Handshake.from_wire(body[:13]).sliding_window == 0
-    assert P.Handshake.from_wire(body[:12]) == P.Handshake("m", 100, 2, 1, 64, "float32", 16, 50, 0, 512, "cpu", [2])
     with pytest.raises(P.ProtocolError, match="sliding window"):
         P.Handshake.from_wire(body[:13] + [-1])
-    with pytest.raises(P.ProtocolError, match="12 to 14 fields"):
-        P.Handshake.from_wire(body + [0])
+    for wrong in (body[:13], body[:12], body + [0]):
+        with pytest.raises(P.ProtocolError, match="14 fields"):
+            P.Handshake.from_wire(wrong)

@@ -1,7 +1,8 @@
 from control_plane.block_manager import BlockManager
 from control_plane.sampling_params import SamplingParams
-from control_plane.scheduler import Scheduler
+from control_plane.scheduler import Finish, Scheduler, is_empty
 from control_plane.sequence import Sequence, SeqStatus
+from shared.protocol import StepResult
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
@@ -13,26 +14,39 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_
 def make_seqs(*prompt_lens, max_tokens=8) -> list[Sequence]:
     seqs = []
     for i, n in enumerate(prompt_lens):
-        seqs.append(Sequence(f"r{i}", list(range(1, n + 1)), n, SamplingParams(max_tokens=max_tokens),
-                             arrival_time=float(i)))
+        params = SamplingParams(max_tokens=max_tokens)
+        seqs.append(Sequence(f"r{i}", list(range(1, n + 1)), n, params, params.spec([]), arrival_time=float(i)))
     return seqs
 
 
-def fake_step(sched: Scheduler, token: int = 7):
+class Step:
+    """A step's plan and what it did to the queues: the sequences it dropped for recompute (the
+    preempted) and the request ids of the sequences it scheduled, by seq id."""
+
+    def __init__(self, sched: Scheduler, plan):
+        self.plan = plan
+        self.names = {s.seq_id: s.request_id for s in sched.running}
+        self.preempted = [s for s in sched.waiting if s.seq_id in plan.forget_seq_ids]
+
+
+def fake_step(sched: Scheduler, token: int = 7) -> Step:
     """Schedules one step and plays the data plane: every sequence whose tokens are all computed
     gets one sampled token, as the engine would append it."""
-    out = sched.schedule()
-    sched.commit(out)       # the plan was sent
-    sched.on_step_done(out)
-    for s in out.scheduled:
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.token_ids.append(token)
+    plan = sched.schedule()
+    step = Step(sched, plan)
+    for seq in sched.update(plan, StepResult(plan.step_id)):
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(token)
     sched.check_integrity()
-    return out
+    return step
 
 
-def scheduled(out):
-    return [(s.seq.request_id, s.num_new_tokens, s.new_block_ids, s.is_new) for s in out.scheduled]
+def scheduled(step: Step):
+    """(request id, tokens, blocks, sent in full) per scheduled sequence, in plan order: the new
+    sequences with their whole table, then the cached ones with the blocks added to theirs."""
+    names = step.names
+    return ([(names[s.seq_id], s.num_new_tokens, s.block_ids, True) for s in step.plan.new_seqs]
+            + [(names[s.seq_id], s.num_new_tokens, s.new_block_ids, False) for s in step.plan.cached_seqs])
 
 
 def test_prefill_then_decode_share_one_budget():
@@ -66,7 +80,7 @@ def test_decodes_go_first_and_new_prompts_fill_the_rest():
     fake_step(sched)
     sched.add(c)
     out = fake_step(sched)
-    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r0", 1), ("r1", 1), ("r2", 6)]
+    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r2", 6), ("r0", 1), ("r1", 1)]   # new ones first
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -92,7 +106,7 @@ def test_preemption_takes_the_latest_arrival_and_it_resumes_from_scratch():
         fake_step(sched)                   # 12 tokens fill three blocks each
     out = fake_step(sched)                 # token 13 of a needs a block: b (latest arrival) gives way
     assert [s.request_id for s in out.preempted] == ["r1"]
-    assert out.forget_seq_ids == [b.seq_id]
+    assert out.plan.forget_seq_ids == [b.seq_id]
     assert scheduled(out) == [("r0", 1, [5], False)]   # b's last block freed first, reused first
     assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
     assert b.num_tokens == 13              # its generated tokens stay: it recomputes them later
@@ -122,8 +136,8 @@ def test_finish_frees_blocks_and_tells_the_data_plane_to_forget():
     fake_step(sched)
     sched.finish(a, "length")
     assert sched.bm.num_free_blocks() == 64
-    out = sched.schedule()
-    assert out.forget_seq_ids == [a.seq_id] and not out.scheduled
+    plan = sched.schedule()
+    assert plan.forget_seq_ids == [a.seq_id] and not plan.new_seqs and not plan.cached_seqs
     assert not sched.has_work()
 
 
@@ -133,7 +147,7 @@ def test_abort_of_a_waiting_sequence_needs_no_forget():
     sched.add(a)
     sched.finish(a, "abort")
     assert not sched.has_work()
-    assert sched.schedule().is_empty
+    assert is_empty(sched.schedule())
 
 
 def test_preempted_sequence_resumes_from_its_cached_blocks():
@@ -161,7 +175,7 @@ def test_shared_prompt_is_computed_once():
     fake_step(sched)
     sched.add(b)
     out = fake_step(sched)
-    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r0", 1), ("r1", 2)]   # 8 of 10 from cache
+    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r1", 2), ("r0", 1)]   # 8 of 10 from cache
     assert sched.bm.block_ids(b.seq_id)[:2] == sched.bm.block_ids(a.seq_id)[:2]
 
 
@@ -180,22 +194,21 @@ def test_the_lowest_priority_gives_way_before_a_later_arrival():
     assert [r for r, *_ in scheduled(out)] == ["r1"]
 
 
-def test_building_a_plan_changes_nothing_and_commit_records_what_was_sent():
-    from control_plane.plan_builder import build_plan
+def test_schedule_records_what_its_plan_tells_the_data_plane():
     sched = make_scheduler()
     (a,) = make_seqs(6)
-    a.spec = a.params.spec([2])
     sched.add(a)
-    out = sched.schedule()
-    first, again = build_plan(1, out, sched.bm), build_plan(1, out, sched.bm)
-    assert first == again and len(first.new_seqs) == 1
-    assert not a.known_to_data_plane and a.num_tokens_sent == 0
-    sched.commit(out)
-    assert a.known_to_data_plane and a.num_tokens_sent == 6
-    sched.on_step_done(out)
+    plan = sched.schedule()
+    assert [(s.seq_id, s.token_ids, s.num_computed_tokens, s.num_new_tokens) for s in plan.new_seqs] == [
+        (a.seq_id, [1, 2, 3, 4, 5, 6], 0, 6)]          # the plan holds what was true before it
+    assert a.known_to_data_plane and a.num_tokens_sent == 6 and a.num_computed_tokens == 6
+    assert sched.update(plan, StepResult(plan.step_id)) == [a]
     a.token_ids.append(7)
-    plan = build_plan(2, sched.schedule(), sched.bm)
+    plan = sched.schedule()
     assert not plan.new_seqs and [(c.seq_id, c.num_new_tokens) for c in plan.cached_seqs] == [(a.seq_id, 1)]
+    assert sched.update(plan, StepResult(plan.step_id, error="boom")) == [a]
+    sched.apply([Finish(a, "error")])
+    assert a.is_finished and sched.schedule().forget_seq_ids == [a.seq_id]
 
 
 def test_restart_on_a_larger_pool_renews_the_watermark():

@@ -9,9 +9,9 @@ import pytest
 
 from control_plane.block_manager import BlockManager
 from control_plane.sampling_params import SamplingParams
-from control_plane.scheduler import Scheduler
+from control_plane.scheduler import Finish, Scheduler
 from control_plane.sequence import Sequence
-from shared.protocol import FREED_BLOCK_ID as X
+from shared.protocol import FREED_BLOCK_ID as X, StepResult
 from tests.helpers import free_order
 
 
@@ -198,15 +198,14 @@ def _drive(sched, seqs, max_steps=500):
     for _ in range(max_steps):
         if not sched.has_work():
             return peak
-        out = sched.schedule()
-        sched.commit(out)
-        sched.on_step_done(out)
-        for s in out.scheduled:
-            seq = s.seq
+        plan = sched.schedule()
+        ended = []
+        for seq in sched.update(plan, StepResult(plan.step_id)):
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)
                 if seq.num_output_tokens >= seq.params.max_tokens:
-                    sched.finish(seq, "length")
+                    ended.append(Finish(seq, "length"))
+        sched.apply(ended)
         sched.check_integrity()
         peak = max(peak, sched.bm.pool.num_blocks - sched.bm.num_free_blocks())
     raise AssertionError("the scheduler makes no progress")
@@ -216,7 +215,7 @@ def test_sequences_longer_than_the_pool_run_only_because_blocks_leave_the_window
     params = SamplingParams(max_tokens=40)
 
     def two_seqs():   # 12 + 40 = 52 tokens each: 13 blocks, more than the pool of 10
-        return [Sequence(f"r{i}", list(range(1, 13)), 12, params, arrival_time=float(i)) for i in range(2)]
+        return [Sequence(f"r{i}", list(range(1, 13)), 12, params, params.spec([]), arrival_time=float(i)) for i in range(2)]
 
     sched = Scheduler(BlockManager(10, 4, sliding_window=8), max_num_seqs=4, max_num_batched_tokens=8)
     seqs = two_seqs()

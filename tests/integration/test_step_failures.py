@@ -16,6 +16,8 @@ POISON = 7   # a request whose prompt starts with this token makes the steps it 
 class FaultyClient:
     """Executes each plan, then reports the whole step failed if the poisoned request is in it and
     has at least `after` output tokens."""
+    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+
     def __init__(self, inner, after: int):
         self.inner, self.after = inner, after
         self.poisoned: set[int] = set()
