@@ -53,7 +53,6 @@ class Worker:
             log.info("CURVE on: only the control plane holding the client key of %s is admitted", curve_keys)
         self.sock.bind(listen)
         self.listen = listen
-        self.steps = 0
         self.owner: bytes | None = None      # routing id of the owner's socket
         self.owner_token: str | None = None
         self.owner_since = 0.0
@@ -154,7 +153,6 @@ class Worker:
             except Exception as exc:   # a fault in the step: answer, never die
                 log.exception("step %d failed", message.step_id)
                 result = P.StepResult(message.step_id, error=f"step failed: {type(exc).__name__}: {exc}")
-            self.steps += 1
             seconds = time.perf_counter() - started
             self._reply(peer, P.STEP_RESULT, result)
             if self.stats is not None:
