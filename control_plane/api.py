@@ -10,25 +10,22 @@ import uuid
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control_plane import __version__, chat, generation_defaults, kv_blocks, page, tools
+from control_plane import __version__, generation_defaults, kv_blocks, page, tools
 from control_plane.access import RETRY_AFTER_SECONDS, error_response, require_api_key, unavailable
-from control_plane.api_schema import check_fields
 from control_plane.endpoints import REQUEST_ID_HEADER, REQUEST_ID_KEY, ModelEndpoints, not_found, request_ids, system_fingerprint
-from control_plane.engine import SHUTDOWN_MESSAGE, Engine
+from control_plane.engine import SHUTDOWN_MESSAGE
 from control_plane.http_guard import BodyTimeout, read_body
 from control_plane.openapi import openapi_spec
 from control_plane.request import Request, RequestOutput
 from control_plane.echo import echo_only
 from control_plane.logprobs_json import generated as logprobs_of
-from control_plane.prompt_scoring import Scoring, parse as parse_scoring
-from control_plane.extension_params import apply_extensions, truncate_prompt_tokens
-from control_plane.structured import parse_constraint
-from control_plane.request_options import StreamUsage, drop_nulls, stream_usage
-from control_plane.sampling_params import SamplingParams, ValidationError, flag, parse_sampling, parse_timeout
+from control_plane.job import Job, parse_request
+from control_plane.sampling_params import ValidationError
+from control_plane.serving import ServingEngine
 
 log = logging.getLogger("pagedserve.control_plane")
 MAX_BODY_BYTES = 4 * 1024 * 1024
-ENGINE_KEY = web.AppKey("engine", Engine)
+ENGINE_KEY = web.AppKey("engine", ServingEngine)
 
 
 def _validation_response(exc: ValidationError) -> web.Response:
@@ -80,40 +77,6 @@ async def _read_json(request: web.Request) -> dict:
     return body
 
 
-def _check_model(engine: Engine, body: dict) -> None:
-    model = body.get("model")
-    if model is not None and model not in engine.config.model_names:   # OpenAI's answer: 404 model_not_found
-        raise ValidationError(f"The model '{model}' does not exist; this server serves "
-                              f"'{engine.config.model_name}'", "model", "model_not_found", status=404)
-
-
-def _parse_prompts(engine: Engine, prompt) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
-    def is_ids(x):
-        return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-    if isinstance(prompt, str):
-        items = [prompt]
-    elif is_ids(prompt):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-        items = prompt
-    else:
-        raise ValidationError("'prompt' must be a non-empty string, list of strings, list of token ids, "
-                              "or list of token-id lists", "prompt", "invalid_type")
-    prompts = []
-    for item in items:
-        ids = item if isinstance(item, list) else engine.tokenizer.encode(item, add_special_tokens=False)
-        if not ids:
-            raise ValidationError("'prompt' must not be empty", "prompt")
-        prompts.append(ids)
-    return prompts
-
-
-def _chat_prompt(engine: Engine, body: dict) -> list[int]:
-    messages = chat.normalize_messages(body.get("messages"))
-    return chat.render(engine.tokenizer, messages, body.get("tools"), chat.template_options(body))
-
-
 def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
     """Prompt tokens once per prompt, completion tokens of every returned choice."""
     prompt = sum(len(r.prompt_ids) for r in requests)
@@ -122,18 +85,15 @@ def _usage(requests: list[Request], finals: list[RequestOutput]) -> dict:
 
 
 class Api:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServingEngine):
         self.engine = engine
         self._openapi = openapi_spec(engine.config.max_n, engine.config.model_name, engine.hs.vocab_size)
         self._fingerprint = system_fingerprint(engine.config.model_name)
         self._sampling_defaults = generation_defaults.for_config(engine.config)   # --generation-config
 
-    def _start(self, prompts: list[list[int]], params: SamplingParams, timeout: float | None) -> list[Request]:
+    def _admit(self, job: Job) -> list[Request]:
         request_id = uuid.uuid4().hex
-        # validate every prompt before any is queued: a bad one must not leave the others running
-        for ids in prompts:
-            self.engine.validate_request(ids, params)
-        return [self.engine.add_request(f"{request_id}-{i}", ids, params, timeout) for i, ids in enumerate(prompts)]
+        return [self.engine.admit(f"{request_id}-{i}", ids, job.params, job.timeout) for i, ids in enumerate(job.prompts)]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -142,71 +102,36 @@ class Api:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """Parse, admit, respond."""
         engine = self.engine
         try:
-            body = await _read_json(request)
-            check_fields(body, chat)
-            body = drop_nulls(body)   # an optional field sent as null means the same as leaving it out
-            _check_model(engine, body)
-            prompts = [_chat_prompt(engine, body)] if chat else _parse_prompts(engine, body.get("prompt"))
-            score_only = not chat and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int
-            params = parse_sampling({**body, "max_tokens": 1} if score_only else body,
-                                    default_max_tokens=engine.hs.max_model_len if chat else 16,
-                                    max_n=engine.config.max_n, chat=chat, defaults=self._sampling_defaults)
-            apply_extensions(body, params, engine.tokenizer, engine.hs.vocab_size)
-            tool_mode = tools.parse_tool_choice(body) if chat else None
-            params.constraint = tools.forced_constraint(tool_mode) or parse_constraint(body)
-            if params.constraint is not None and params.use_beam_search:
-                raise ValidationError("structured output is not available with beam search", "use_beam_search",
-                                      "unsupported")
-            keep = truncate_prompt_tokens(body)
-            if keep is not None:
-                prompts = [ids[-keep:] for ids in prompts]
-            stream = flag(body, "stream")
-            scoring = parse_scoring(body, params, chat, score_only, stream, engine.tokenizer)
-            timeout = parse_timeout(body, engine.config.request_timeout)
-            if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
-                params.max_tokens = max(1, engine.hs.max_model_len - len(prompts[0]))
-                params.max_tokens = min(params.max_tokens, engine.pool_capacity_tokens - len(prompts[0]))
-            usage_mode = stream_usage(body) if stream else None
-            if stream and (params.use_beam_search or params.best_of > params.n):
-                raise ValidationError("streaming is not available with beam search or best_of > n: the "
-                                      "returned choices are known only at the end", "stream", "unsupported")
-            return_ids = flag(body, "return_token_ids")
+            job = parse_request(engine, await _read_json(request), chat, self._sampling_defaults)
             if engine.draining:
                 return unavailable("the server is shutting down", code="shutting_down")
             if not engine.data_plane_alive:
                 return unavailable("the data plane is not available")
-            if len(prompts) > engine.config.max_waiting:   # never accepted, however long it waits: not a 503
-                raise ValidationError(f"'prompt' holds {len(prompts)} prompts; this server queues at most "
-                                      f"{engine.config.max_waiting} requests (its --max-waiting): send at most "
-                                      f"{engine.config.max_waiting} per request", "prompt", "too_many_prompts")
-            if engine.num_waiting() + len(prompts) > engine.config.max_waiting:
+            if engine.num_waiting() + len(job.prompts) > engine.config.max_waiting:
                 return unavailable(f"the server is overloaded: {engine.num_waiting()} requests are "
                                    "waiting already", code="overloaded")
-            if scoring.text_only:
-                for ids in prompts:
-                    engine.validate_request(ids, params)
-            else:
-                requests = self._start(prompts, params, timeout)
         except ValidationError as exc:
             return _validation_response(exc)
-        if scoring.text_only:
-            return web.json_response(echo_only(prompts, engine.tokenizer, engine.config.model_name, return_ids))
+        if job.scoring.text_only:
+            return web.json_response(echo_only(job.prompts, engine.tokenizer, engine.config.model_name, job.return_ids))
+        requests = self._admit(job)
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": engine.config.model_name, "system_fingerprint": self._fingerprint}
         try:
-            if stream:
-                return await self._stream(request, requests, meta, chat, return_ids, usage_mode, scoring, tool_mode)
-            return await self._collect(requests, meta, chat, return_ids, scoring, tool_mode)
+            if job.stream:
+                return await self._stream(request, job, requests, meta)
+            return await self._collect(job, requests, meta)
         finally:
             for r in requests:
                 if not r.finished:
                     log.debug("request %s ended before it finished (the client went away); aborted", r.request_id)
                 engine.abort(r)  # no-op for finished ones; a vanished client frees its blocks
 
-    async def _collect(self, requests: list[Request], meta, chat, return_ids, scoring: Scoring,
-                       tool_mode=None) -> web.Response:
+    async def _collect(self, job: Job, requests: list[Request], meta) -> web.Response:
+        chat, return_ids, scoring, tool_mode = job.chat, job.return_ids, job.scoring, job.tool_mode
         async def drain(req: Request) -> dict[int, list[RequestOutput]]:
             by_index: dict[int, list[RequestOutput]] = {}
             async for out in req:
@@ -254,8 +179,8 @@ class Api:
             answer["prompt_logprobs"] = scoring.vllm_prompt(requests[0])
         return web.json_response(answer)
 
-    async def _stream(self, request, requests: list[Request], meta, chat, return_ids,
-                      usage_mode: StreamUsage, scoring: Scoring, tool_mode=None) -> web.StreamResponse:
+    async def _stream(self, request, job: Job, requests: list[Request], meta) -> web.StreamResponse:
+        chat, return_ids, usage_mode, scoring, tool_mode = job.chat, job.return_ids, job.usage_mode, job.scoring, job.tool_mode
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: request[REQUEST_ID_KEY]})
         await resp.prepare(request)
@@ -345,8 +270,7 @@ class Api:
             return web.json_response({"status": status}, status=503,
                                      headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         # replicas (control_plane/router.py): "degraded" while some are down, still a 200: it serves
-        replicas = getattr(self.engine, "health", None)
-        return web.json_response(replicas() if replicas is not None else {"status": "ok"})
+        return web.json_response(self.engine.health())
 
     async def version(self, request: web.Request) -> web.Response:
         hs = self.engine.hs
@@ -399,7 +323,7 @@ async def json_errors(request: web.Request, handler):
         return error_response(500, "internal error; see the server log", "server_error", code="internal_error")
 
 
-def make_app(engine: Engine) -> web.Application:
+def make_app(engine: ServingEngine) -> web.Application:
     api = Api(engine)
     middlewares = [request_ids, json_errors]
     if engine.config.api_key:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from control_plane import metrics
 from control_plane.beam_search import BeamSearch
 from control_plane.block_manager import BlockManager
-from control_plane.dp_client import DataPlaneClient, DataPlaneDead
+from control_plane.dp_client import DataPlaneDead
 from control_plane.output_processor import OutputProcessor
 from control_plane.preemption import PreemptionPolicy
 from control_plane.request import Request
@@ -21,6 +21,7 @@ from control_plane.sampling_params import SamplingParams, ValidationError, check
 from control_plane.scheduler import Scheduler, SchedulerLoad, is_empty
 from control_plane.structured import GrammarBackend, Matchers
 from control_plane.sequence import Sequence
+from control_plane.serving import DataPlaneLink
 from control_plane.step_failures import FailureIsolation
 from shared.config import ControlPlaneConfig
 from shared.protocol import Handshake, StepPlan, StepResult
@@ -39,7 +40,7 @@ class InFlight:
 
 
 class Engine:
-    def __init__(self, config: ControlPlaneConfig, client: DataPlaneClient, handshake: Handshake, tokenizer):
+    def __init__(self, config: ControlPlaneConfig, client: DataPlaneLink, handshake: Handshake, tokenizer):
         self.config = config
         self.client = client
         self.hs = handshake
@@ -68,6 +69,10 @@ class Engine:
         self.outputs = OutputProcessor(self.stats, tokenizer, self.eos_token_ids, handshake.max_model_len)
         # a failed step fails only the request that caused it
         self.isolation = FailureIsolation(self.scheduler, self.outputs, self._wakeup.set)
+
+    def health(self) -> dict:
+        """/health's body while this engine serves (a router reports its replicas instead)."""
+        return {"status": "ok"}
 
     def start_unconnected(self) -> None:
         """This engine's data plane did not answer at start: run() connects first, and until then the
@@ -179,8 +184,14 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
-        """`timeout`: seconds after which the request is aborted with finish reason "timeout"."""
+        """Validates, then admits (the API validates a whole body first: control_plane/job.py)."""
         self.validate_request(prompt_ids, params)
+        return self.admit(request_id, prompt_ids, params, timeout)
+
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+              timeout: float | None = None) -> Request:
+        """Queues a request that validate_request accepted. `timeout`: seconds after which it is aborted
+        with finish reason "timeout"."""
         req = Request(request_id, prompt_ids, params, self.tokenizer)
         if timeout is not None:
             req.deadline = time.monotonic() + timeout

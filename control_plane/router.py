@@ -155,13 +155,19 @@ class Router:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     timeout: float | None = None) -> Request:
+        self.validate_request(prompt_ids, params)
+        return self.admit(request_id, prompt_ids, params, timeout)
+
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+              timeout: float | None = None) -> Request:
+        """A validated request (validate_request checked it on every replica) to the chosen replica."""
         replica = self.choose(prompt_ids)
-        req = self.engines[replica].add_request(request_id, prompt_ids, params, timeout)
+        req = self.engines[replica].admit(request_id, prompt_ids, params, timeout)
         req.replica = replica
         return req
 
-    def abort(self, req: Request, *args, **kwargs) -> None:
-        self.engines[req.replica].abort(req, *args, **kwargs)
+    def abort(self, req: Request, reason: str = "abort", error: str | None = None) -> None:
+        self.engines[req.replica].abort(req, reason, error)
 
     # --- replicas lost and back -----------------------------------------------------------------
     def _on_down(self, engine: Engine) -> None:

@@ -21,7 +21,7 @@ class FakeEngine:
     def num_unfinished(self):
         return len(self.requests)
 
-    def add_request(self, request_id, prompt_ids, params, timeout=None):
+    def admit(self, request_id, prompt_ids, params, timeout=None):
         req = SimpleNamespace(request_id=request_id)
         self.requests.append(req)
         return req
@@ -44,10 +44,10 @@ def test_distinct_prompts_spread_over_the_replicas_by_load():
     engines = [FakeEngine(), FakeEngine()]
     router = Router(engines)
     for i in range(6):
-        router.add_request(f"r{i}", prompt(100 + i), None)
+        router.admit(f"r{i}", prompt(100 + i), None)
     assert [len(e.requests) for e in engines] == [3, 3]
     engines[0].requests.clear()                              # replica 0 finished its work
-    replicas = [router.add_request(f"s{i}", prompt(200 + i), None).replica for i in range(3)]
+    replicas = [router.admit(f"s{i}", prompt(200 + i), None).replica for i in range(3)]
     assert replicas == [0, 0, 0]
 
 
@@ -55,20 +55,20 @@ def test_shared_prefix_goes_to_the_same_replica_until_it_is_overloaded():
     engines = [FakeEngine(), FakeEngine()]
     router = Router(engines)                                 # slack: max_num_seqs // 4 = 2
     shared = list(range(500, 532))                           # two full blocks in common
-    first = router.add_request("a", shared + [1, 2, 3], None).replica
-    other = router.add_request("b", prompt(900), None).replica
+    first = router.admit("a", shared + [1, 2, 3], None).replica
+    other = router.admit("b", prompt(900), None).replica
     assert other != first
-    followers = [router.add_request(f"c{i}", shared + [10 + i] * 5, None).replica for i in range(2)]
+    followers = [router.admit(f"c{i}", shared + [10 + i] * 5, None).replica for i in range(2)]
     assert followers == [first, first] and router.num_affinity_hits == 2
     # now `first` holds 3 requests against 1: one more over the slack, the next one goes elsewhere
-    assert router.add_request("d", shared + [77], None).replica == other
+    assert router.admit("d", shared + [77], None).replica == other
 
 
 def test_dead_replicas_get_no_requests():
     engines = [FakeEngine(), FakeEngine()]
     engines[1].data_plane_alive = False
     router = Router(engines)
-    assert {router.add_request(f"r{i}", prompt(i), None).replica for i in range(4)} == {0}
+    assert {router.admit(f"r{i}", prompt(i), None).replica for i in range(4)} == {0}
     assert router.data_plane_alive
 
 
