@@ -5,7 +5,10 @@ attention layer reads the step's metadata from it instead of having it threaded 
 the model's call chain. transformers calls `paged_attention_forward` with query, key and
 value after rotary embedding, shaped [1, heads, tokens, head_dim] for our flattened batch,
 plus the layer's own `sliding_window` (keys within that many positions, the query's own
-included) and `softcap` (Gemma 2's attention logit soft-cap) when the model has them.
+included), `softcap` (Gemma 2's attention logit soft-cap) and `s_aux` (GPT-OSS's attention sinks, one
+logit per query head) when the model has them. A layer of kind "chunked_attention" (Llama 4) attends
+within chunks of the config's `attention_chunk_size`, which transformers puts in its mask, not in the
+call: `layer_chunk` reads it from the config.
 
 `record_calls` replaces the paged path by a recorder for one forward pass: data_plane/model_support.py
 uses it at start to see how a model calls attention, before serving anything.
@@ -44,6 +47,8 @@ class AttentionCall:
     scaling: float | None
     sliding_window: int | None
     softcap: float | None
+    sinks_shape: tuple | None    # s_aux, the layer's attention sinks
+    chunk: int | None            # see layer_chunk
     other_kwargs: dict = field(default_factory=dict)   # every other keyword that is not None
 
 
@@ -72,10 +77,27 @@ def record_calls():
         _recording = previous
 
 
+_CHUNK_ATTR = "_pagedserve_chunk"
+
+
+def layer_chunk(module) -> int | None:
+    """The attention chunk of the module's layer: the config's `attention_chunk_size` for a layer of kind
+    "chunked_attention", else None (kept on the module after the first call)."""
+    chunk = module.__dict__.get(_CHUNK_ATTR, 0)
+    if chunk == 0:
+        config = getattr(module, "config", None)
+        types = getattr(config, "layer_types", None) or []
+        idx = getattr(module, "layer_idx", None)
+        chunked = isinstance(idx, int) and idx < len(types) and types[idx] == "chunked_attention"
+        chunk = config.attention_chunk_size if chunked else None
+        module.__dict__[_CHUNK_ATTR] = chunk
+    return chunk
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, softcap=None, **kwargs):
+                            sliding_window=None, softcap=None, s_aux=None, **kwargs):
     if _recording is not None:
-        return _record(module, query, key, value, scaling, sliding_window, softcap, kwargs)
+        return _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, kwargs)
     ctx = _current
     assert ctx is not None, "pagedserve attention called outside a step context"
     assert query.shape[0] == 1, "pagedserve runs one flattened row of tokens"
@@ -88,14 +110,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                           scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap,
+                          sinks=None if s_aux is None else s_aux.detach().float(), chunk=layer_chunk(module),
                           kernel_rows=ctx.kernel_rows)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
 
-def _record(module, query, key, value, scaling, sliding_window, softcap, kwargs):
+def _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, kwargs):
     other = {k: v for k, v in kwargs.items() if v is not None}
+    sinks = None if s_aux is None else tuple(s_aux.shape)
     _recording.append(AttentionCall(getattr(module, "layer_idx", None), tuple(query.shape), tuple(key.shape),
-                                    tuple(value.shape), scaling, sliding_window, softcap, other))
+                                    tuple(value.shape), scaling, sliding_window, softcap, sinks,
+                                    layer_chunk(module), other))
     batch, heads, tokens, _ = query.shape
     return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
 

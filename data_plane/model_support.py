@@ -5,12 +5,12 @@ A model is served only if everything it does in attention is something our ops d
 would be served wrong without a warning, so `check_model` refuses it with `UnsupportedModel`, naming the
 architecture and the reason. Two sources of truth:
 
-- the config, for features no op implements (ALiBi, multi-head latent attention, chunked or
-  bidirectional attention, layer kinds other than full and sliding-window attention);
+- the config, for features no op implements (ALiBi, multi-head latent attention, bidirectional
+  attention, layer kinds other than full, sliding-window and chunked attention);
 - one probe forward pass at start, with attention recorded instead of computed: every decoder layer
   must call the interface exactly once, with K and V of the pool's head size, with the window the
-  config declares, and with no argument we do not implement (attention sinks, for example). A model
-  that computes attention in its own code (BLOOM) makes no call and is refused.
+  config declares, with attention sinks (if any) of one logit per query head, and with no argument we
+  do not implement. A model that computes attention in its own code (BLOOM) makes no call and is refused.
 
 The same probe picks how logits are computed from the sampled rows' hidden states (`final_logits`).
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -29,7 +29,7 @@ from shared.config import ConfigError
 log = logging.getLogger("pagedserve.data_plane")
 
 # layer kinds of config.layer_types that our ops compute
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
@@ -46,19 +46,24 @@ class UnsupportedModel(ConfigError):
 
 @dataclass
 class Support:
-    """What the probe found: per-layer windows and soft-cap, and the logits function to use."""
+    """What the probe found: per-layer windows, chunks and soft-cap, and the logits function to use."""
     layer_windows: list[int | None]
     softcaps: list[float | None]
     final_logits: Callable[[torch.Tensor], torch.Tensor]
     logits_path: str   # "output embeddings" or "the model's own head"
+    layer_chunks: list[int | None] = field(default_factory=list)
 
     @property
     def freeable_window(self) -> int:
-        """The widest window when every layer has one (Mistral), else 0 (Gemma 2/3 have global layers):
-        a block wholly before that many positions of a sequence's next query is read by no layer again."""
-        if not self.layer_windows or any(w is None for w in self.layer_windows):
+        """The widest reach when every layer's is bounded (Mistral), else 0 (Gemma 2/3 and Llama 4 have
+        global layers): a block wholly before that many positions of a sequence's next query is read by
+        no layer again. A layer's reach is its window, or its chunk C: a query at p reads from the start
+        of its chunk, which is after p - C."""
+        chunks = self.layer_chunks or [None] * len(self.layer_windows)
+        reach = [w or c for w, c in zip(self.layer_windows, chunks)]
+        if not reach or any(r is None for r in reach):
             return 0
-        return max(self.layer_windows)
+        return max(reach)
 
 
 def architecture(config, model=None) -> str:
@@ -100,8 +105,9 @@ def config_reasons(config) -> list[str]:
     unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES)
     if unknown:
         reasons.append(f"layer kinds {unknown} are not implemented (only {sorted(SUPPORTED_LAYER_TYPES)})")
-    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in unknown:
-        reasons.append("chunked local attention (attention_chunk_size) is not implemented")
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
+        reasons.append("attention temperature tuning of NoPE layers (attn_temperature_tuning) reads each "
+                       "query's position from transformers' cache, which pagedserve's flattened batch does not have")
     if getattr(config, "use_bidirectional_attention", False):
         reasons.append("bidirectional attention is not implemented (decoding is causal)")
     if getattr(config, "is_encoder_decoder", False):
@@ -143,6 +149,9 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
             reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
                            f"declares {windows[c.layer_idx]}")
+        if c.sinks_shape is not None and c.sinks_shape != (c.query_shape[1],):
+            reasons.append(f"its attention sinks have shape {c.sinks_shape}, not one per query head "
+                           f"({c.query_shape[1]})")
         if c.other_kwargs.get("is_causal", True) is not True:
             reasons.append("its attention is not causal (is_causal=False); pagedserve's is")
         unknown = sorted(k for k, v in c.other_kwargs.items()
@@ -233,8 +242,9 @@ def check_model(model) -> Support:
     if chosen is None:
         raise UnsupportedModel(arch, ["its final logits are computed in a way pagedserve does not reproduce"])
     by_layer = {c.layer_idx: c for c in calls}
-    support = Support([by_layer[i].sliding_window for i in range(config.num_hidden_layers)],
-                      [by_layer[i].softcap for i in range(config.num_hidden_layers)], chosen[0], chosen[1])
+    layers = range(config.num_hidden_layers)
+    support = Support([by_layer[i].sliding_window for i in layers], [by_layer[i].softcap for i in layers],
+                      chosen[0], chosen[1], [by_layer[i].chunk for i in layers])
     model.__dict__[_CACHE_ATTR] = support
     return support
 

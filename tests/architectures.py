@@ -49,6 +49,12 @@ def _gemma3():
                             sliding_window_pattern=2, query_pre_attn_scalar=16), Gemma3ForCausalLM
 
 
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12), \
+        GptOssForCausalLM
+
+
 # name -> builder of (config, causal-LM class); every one is served token-identically
 SUPPORTED = {
     "Llama": _llama_like("Llama"),
@@ -74,6 +80,7 @@ SUPPORTED = {
     "Cohere (logit_scale)": _llama_like("Cohere", logit_scale=0.5),
     "Qwen2-MoE": _llama_like("Qwen2Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=64),
+    "GPT-OSS (sinks, alternating window 12, MoE)": _gpt_oss,
 }
 
 
@@ -126,12 +133,6 @@ def _deepseek_v3():
                             first_k_dense_replace=1), DeepseekV3ForCausalLM
 
 
-def _gpt_oss():
-    from transformers import GptOssConfig, GptOssForCausalLM
-    return GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12), \
-        GptOssForCausalLM
-
-
 def _llama4_text():
     from transformers import Llama4ForCausalLM, Llama4TextConfig
     return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
@@ -151,7 +152,6 @@ REFUSED = {
     "BloomForCausalLM": (_bloom, "ALiBi"),
     "MptForCausalLM": (_mpt, "ALiBi"),
     "DeepseekV3ForCausalLM": (_deepseek_v3, "multi-head latent attention"),
-    "GptOssForCausalLM": (_gpt_oss, "s_aux"),
-    "Llama4ForCausalLM": (_llama4_text, "chunked"),
+    "Llama4ForCausalLM": (_llama4_text, "attn_temperature_tuning"),
     "MambaForCausalLM": (_mamba, "linear_attention"),
 }

@@ -2,6 +2,8 @@
 path it picks equals the model's own (Granite's scaling, Gemma 2's final soft-cap)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -88,12 +90,13 @@ def test_the_data_plane_exits_non_zero_naming_the_architecture(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("extra,reason", [({"is_causal": False}, "not causal"),
-                                          ({"s_aux": torch.zeros(4)}, "['s_aux']")])
+                                          ({"alibi_slopes": torch.zeros(4)}, "['alibi_slopes']"),
+                                          ({"s_aux": torch.zeros(3)}, "sinks have shape (3,)")])
 def test_attention_arguments_pagedserve_does_not_implement_are_refused(extra, reason, monkeypatch):
-    # a layer that hands the interface one more argument, as GPT-OSS does with its sinks (s_aux)
+    # a layer that hands the interface one more argument, or sinks (GPT-OSS's s_aux) not one per head
     model = paged("Llama")
     layer = model.model.layers[1].self_attn
     original = layer.forward
     monkeypatch.setattr(layer, "forward", lambda *a, **kw: original(*a, **{**kw, **extra}))
-    with pytest.raises(model_support.UnsupportedModel, match=reason.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(model_support.UnsupportedModel, match=re.escape(reason)):
         model_support.check_model(model)
