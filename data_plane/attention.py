@@ -8,7 +8,9 @@ plus the layer's own `sliding_window` (keys within that many positions, the quer
 included), `softcap` (Gemma 2's attention logit soft-cap) and `s_aux` (GPT-OSS's attention sinks, one
 logit per query head) when the model has them. A layer of kind "chunked_attention" (Llama 4) attends
 within chunks of the config's `attention_chunk_size`, which transformers puts in its mask, not in the
-call: `layer_chunk` reads it from the config.
+call: `layer_chunk` reads it from the config. Llama 4's NoPE layers scale each query by a factor of its
+position (`attn_temperature_tuning`), which transformers takes from its cache's length; on our flattened
+batch it would be wrong, so `prepare` hands that scaling to this function, which has every token's position.
 
 `record_calls` replaces the paged path by a recorder for one forward pass: data_plane/model_support.py
 uses it at start to see how a model calls attention, before serving anything.
@@ -35,6 +37,18 @@ class StepContext:
     max_query_len: int
     # CPU: ops.attention.kernel_rows(...), the kernel's rows made once per step for every layer
     kernel_rows: KernelRows | None = None
+    _positions: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [tokens]: each query token's position in its sequence (made on first use, once a step)."""
+        if self._positions is None:
+            starts = self.query_start_loc.long()
+            q_lens = starts[1:] - starts[:-1]
+            # token t of sequence s sits at seq_lens[s] - q_len[s] + (t - starts[s])
+            offset = torch.repeat_interleave(self.seq_lens.long() - q_lens - starts[:-1], q_lens)
+            self._positions = offset + torch.arange(offset.shape[0], device=offset.device)
+        return self._positions
 
 
 @dataclass
@@ -49,6 +63,7 @@ class AttentionCall:
     softcap: float | None
     sinks_shape: tuple | None    # s_aux, the layer's attention sinks
     chunk: int | None            # see layer_chunk
+    tunes_temperature: bool      # its queries are scaled here by position (see prepare)
     other_kwargs: dict = field(default_factory=dict)   # every other keyword that is not None
 
 
@@ -94,12 +109,45 @@ def layer_chunk(module) -> int | None:
     return chunk
 
 
+class _UnlessPaged:
+    """Stands in for a Llama 4 attention module's `attn_temperature_tuning`: true, so that transformers
+    scales the queries of its NoPE layers itself, except while the model runs on pagedserve's attention,
+    which scales them from each token's position instead (`_temperature_scaled`)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __bool__(self) -> bool:
+        return self.config._attn_implementation != ATTENTION_NAME
+
+
+def prepare(model) -> None:
+    """Readies a model's attention modules for this function (data_plane/model_support.py calls it before
+    its probe); changes nothing that the model's own attention implementations compute."""
+    for module in model.modules():
+        if getattr(module, "attn_temperature_tuning", None) is True and hasattr(module, "floor_scale"):
+            module.attn_temperature_tuning = _UnlessPaged(module.config)
+
+
+def _tunes_temperature(module) -> bool:
+    return isinstance(getattr(module, "attn_temperature_tuning", None), _UnlessPaged) and not module.use_rope
+
+
+def _temperature_scaled(module, query, positions):
+    """Llama 4's attention temperature tuning, as transformers computes it, from the tokens' own positions."""
+    positions = positions.float()
+    scales = torch.log1p(torch.floor((positions + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+    return (query * scales.view(1, 1, -1, 1)).to(query.dtype)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             sliding_window=None, softcap=None, s_aux=None, **kwargs):
     if _recording is not None:
         return _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, kwargs)
     ctx = _current
     assert ctx is not None, "pagedserve attention called outside a step context"
+    if _tunes_temperature(module):
+        query = _temperature_scaled(module, query, ctx.positions)
     assert query.shape[0] == 1, "pagedserve runs one flattened row of tokens"
     layer = ctx.kv_pool[module.layer_idx]
     k_cache, v_cache = layer[0], layer[1]
@@ -120,7 +168,7 @@ def _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, 
     sinks = None if s_aux is None else tuple(s_aux.shape)
     _recording.append(AttentionCall(getattr(module, "layer_idx", None), tuple(query.shape), tuple(key.shape),
                                     tuple(value.shape), scaling, sliding_window, softcap, sinks,
-                                    layer_chunk(module), other))
+                                    layer_chunk(module), _tunes_temperature(module), other))
     batch, heads, tokens, _ = query.shape
     return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
 

@@ -30,6 +30,9 @@ log = logging.getLogger("pagedserve.data_plane")
 
 # layer kinds of config.layer_types that our ops compute
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# layer kinds that keep a per-sequence state instead of (or beside) a KV cache: Mamba and Mamba2 SSMs,
+# gated delta-net linear attention (Qwen3-Next), short convolutions (LFM2), attention beside an SSM (Falcon-H1)
+STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
@@ -102,12 +105,13 @@ def config_reasons(config) -> list[str]:
     if v_dim and qk_dim and v_dim != qk_dim:
         reasons.append(f"K head size {qk_dim} differs from V head size {v_dim}; the KV pool has one head size")
     types = getattr(config, "layer_types", None) or []
-    unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES)
+    state = sorted(set(types) & STATE_LAYER_TYPES)
+    if state:
+        reasons.append(f"its layers of kinds {state} keep a per-sequence state (SSM, linear attention or "
+                       "convolution), which needs a state pool pagedserve does not have yet")
+    unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES - STATE_LAYER_TYPES)
     if unknown:
         reasons.append(f"layer kinds {unknown} are not implemented (only {sorted(SUPPORTED_LAYER_TYPES)})")
-    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
-        reasons.append("attention temperature tuning of NoPE layers (attn_temperature_tuning) reads each "
-                       "query's position from transformers' cache, which pagedserve's flattened batch does not have")
     if getattr(config, "use_bidirectional_attention", False):
         reasons.append("bidirectional attention is not implemented (decoding is causal)")
     if getattr(config, "is_encoder_decoder", False):
@@ -215,6 +219,14 @@ def _paged_attention(model):
             model.set_attn_implementation(previous)
 
 
+def _find_base_model(model) -> None:
+    """Points `model.base_model` at the decoder when the class names a prefix it does not have
+    (Llama4ForCausalLM names "language_model", its prefix inside the multimodal model, but holds the
+    decoder as "model"): the runner and the probe run the base model on its own."""
+    if model.base_model is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        model.base_model_prefix = "model"
+
+
 @torch.inference_mode()
 def check_model(model) -> Support:
     """Refuses (UnsupportedModel) a model pagedserve cannot serve exactly; returns what serving needs.
@@ -229,6 +241,8 @@ def check_model(model) -> Support:
     if reasons:
         raise UnsupportedModel(arch, reasons)
     ids = _probe_ids(model)
+    attention.prepare(model)
+    _find_base_model(model)
     # probed on pagedserve's attention whatever the model was last set to (benchmarks switch it back
     # and forth); the base model as the runner calls it, then the whole model as generate does
     with _paged_attention(model), attention.record_calls() as calls:

@@ -55,6 +55,15 @@ def _gpt_oss():
         GptOssForCausalLM
 
 
+def _llama4_text():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    # three chunked layers with rotary, one global NoPE layer whose queries are scaled by position
+    # (floor_scale 8: from position 7 on, not only past 8192 as in the checkpoints)
+    return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
+                            num_local_experts=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0],
+                            floor_scale=8, attn_scale=0.5), Llama4ForCausalLM
+
+
 # name -> builder of (config, causal-LM class); every one is served token-identically
 SUPPORTED = {
     "Llama": _llama_like("Llama"),
@@ -81,6 +90,15 @@ SUPPORTED = {
     "Qwen2-MoE": _llama_like("Qwen2Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=64),
     "GPT-OSS (sinks, alternating window 12, MoE)": _gpt_oss,
+    "SmolLM3 (NoPE layer)": _llama_like("SmolLM3", no_rope_layers=[1, 0]),
+    "Qwen3-MoE": _llama_like("Qwen3Moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "GLM-4-MoE": _llama_like("Glm4Moe", head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "EXAONE 4 (alternating window 12)": _llama_like("Exaone4", head_dim=16, sliding_window=12,
+                                                    sliding_window_pattern=2),
+    "OLMo 3 (window 12)": _llama_like("Olmo3", sliding_window=12),
+    "Seed-OSS": _llama_like("SeedOss", head_dim=16),
+    "Llama 4 text (chunks of 8, NoPE layer, MoE)": _llama4_text,
 }
 
 
@@ -133,16 +151,41 @@ def _deepseek_v3():
                             first_k_dense_replace=1), DeepseekV3ForCausalLM
 
 
-def _llama4_text():
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-    return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
-                            num_local_experts=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0]), \
-        Llama4ForCausalLM
-
-
 def _mamba():
     from transformers import MambaConfig, MambaForCausalLM
     return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
+
+
+def _state_model(kind: str, **extra):
+    """A hybrid or state-space model: layers that keep a per-sequence state, refused until a state pool exists."""
+    def build():
+        import transformers
+        config = getattr(transformers, f"{kind}Config")(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                         num_hidden_layers=2, **extra)
+        return config, getattr(transformers, f"{kind}ForCausalLM")
+    return build
+
+
+_MAMBA2_HEADS = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
+STATE_MODELS = {
+    "Qwen3NextForCausalLM": _state_model(
+        "Qwen3Next", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"]),
+    "GraniteMoeHybridForCausalLM": _state_model(
+        "GraniteMoeHybrid", num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["mamba", "attention"], **{**_MAMBA2_HEADS, "mamba_d_head": 32}),
+    "FalconH1ForCausalLM": _state_model("FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        mamba_d_ssm=64, **_MAMBA2_HEADS),
+    "JambaForCausalLM": _state_model("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2,
+                                     num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                                     expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                                     use_mamba_kernels=False),
+    "Lfm2ForCausalLM": _state_model("Lfm2", num_attention_heads=4, num_key_value_heads=2,
+                                    layer_types=["conv", "full_attention"]),
+    "Mamba2ForCausalLM": _state_model("Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1),
+}
 
 
 # name -> (builder, words the refusal must contain besides the architecture's name)
@@ -152,6 +195,6 @@ REFUSED = {
     "BloomForCausalLM": (_bloom, "ALiBi"),
     "MptForCausalLM": (_mpt, "ALiBi"),
     "DeepseekV3ForCausalLM": (_deepseek_v3, "multi-head latent attention"),
-    "Llama4ForCausalLM": (_llama4_text, "attn_temperature_tuning"),
-    "MambaForCausalLM": (_mamba, "linear_attention"),
+    "MambaForCausalLM": (_mamba, "per-sequence state"),
+    **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},
 }

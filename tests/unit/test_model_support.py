@@ -100,3 +100,24 @@ def test_attention_arguments_pagedserve_does_not_implement_are_refused(extra, re
     monkeypatch.setattr(layer, "forward", lambda *a, **kw: original(*a, **{**kw, **extra}))
     with pytest.raises(model_support.UnsupportedModel, match=re.escape(reason)):
         model_support.check_model(model)
+
+
+def test_chunked_layers_are_found_and_bound_what_blocks_can_be_freed():
+    support = model_support.check_model(paged("Llama 4 text (chunks of 8, NoPE layer, MoE)"))
+    assert support.layer_chunks == [8, 8, 8, None]
+    assert support.freeable_window == 0   # its global layer reads every block
+    # a chunk of C bounds a layer's reach as a window of C does: the widest reach is what may be freed
+    logits = support.final_logits
+    assert model_support.Support([None, 12], [None, None], logits, "", [8, None]).freeable_window == 12
+    assert model_support.Support([None, 4], [None, None], logits, "", [8, None]).freeable_window == 8
+    assert model_support.Support([None, None], [None, None], logits, "", [8, None]).freeable_window == 0
+
+
+def test_llama4_temperature_tuning_moves_to_paged_attention_and_back():
+    model = build(SUPPORTED["Llama 4 text (chunks of 8, NoPE layer, MoE)"], "eager")
+    model_support.check_model(model)
+    nope_layer = model.model.layers[3].self_attn
+    assert not nope_layer.use_rope
+    assert bool(nope_layer.attn_temperature_tuning)          # eager: transformers scales the queries
+    model.set_attn_implementation(attention.register())
+    assert not bool(nope_layer.attn_temperature_tuning)      # paged: our attention scales them by position
