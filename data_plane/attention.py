@@ -62,6 +62,7 @@ class AttentionCall:
     sliding_window: int | None
     softcap: float | None
     sinks_shape: tuple | None    # s_aux, the layer's attention sinks
+    alibi_shape: tuple | None    # ALiBi slopes (data_plane/own_attention.py passes them)
     chunk: int | None            # see layer_chunk
     tunes_temperature: bool      # its queries are scaled here by position (see prepare)
     other_kwargs: dict = field(default_factory=dict)   # every other keyword that is not None
@@ -109,16 +110,18 @@ def layer_chunk(module) -> int | None:
     return chunk
 
 
+def active() -> bool:
+    """Whether a forward pass on pagedserve's attention is under way: a step, or the start-time probe."""
+    return _current is not None or _recording is not None
+
+
 class _UnlessPaged:
     """Stands in for a Llama 4 attention module's `attn_temperature_tuning`: true, so that transformers
     scales the queries of its NoPE layers itself, except while the model runs on pagedserve's attention,
     which scales them from each token's position instead (`_temperature_scaled`)."""
 
-    def __init__(self, config):
-        self.config = config
-
     def __bool__(self) -> bool:
-        return self.config._attn_implementation != ATTENTION_NAME
+        return not active()
 
 
 def prepare(model) -> None:
@@ -126,7 +129,7 @@ def prepare(model) -> None:
     its probe); changes nothing that the model's own attention implementations compute."""
     for module in model.modules():
         if getattr(module, "attn_temperature_tuning", None) is True and hasattr(module, "floor_scale"):
-            module.attn_temperature_tuning = _UnlessPaged(module.config)
+            module.attn_temperature_tuning = _UnlessPaged()
 
 
 def _tunes_temperature(module) -> bool:
@@ -141,9 +144,11 @@ def _temperature_scaled(module, query, positions):
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            sliding_window=None, softcap=None, s_aux=None, **kwargs):
+                            sliding_window=None, softcap=None, s_aux=None, alibi=None, **kwargs):
+    """transformers' attention interface; `alibi` (float32 slopes [heads]) is ours, for the layers of
+    data_plane/own_attention.py."""
     if _recording is not None:
-        return _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, kwargs)
+        return _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, alibi, kwargs)
     ctx = _current
     assert ctx is not None, "pagedserve attention called outside a step context"
     if _tunes_temperature(module):
@@ -158,16 +163,18 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                           scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap,
-                          sinks=None if s_aux is None else s_aux.detach().float(), chunk=layer_chunk(module),
+                          sinks=None if s_aux is None else s_aux.detach().float(), alibi=alibi,
+                          chunk=layer_chunk(module),
                           kernel_rows=ctx.kernel_rows)
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
 
-def _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, kwargs):
+def _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, alibi, kwargs):
     other = {k: v for k, v in kwargs.items() if v is not None}
     sinks = None if s_aux is None else tuple(s_aux.shape)
+    slopes = None if alibi is None else tuple(alibi.shape)
     _recording.append(AttentionCall(getattr(module, "layer_idx", None), tuple(query.shape), tuple(key.shape),
-                                    tuple(value.shape), scaling, sliding_window, softcap, sinks,
+                                    tuple(value.shape), scaling, sliding_window, softcap, sinks, slopes,
                                     layer_chunk(module), _tunes_temperature(module), other))
     batch, heads, tokens, _ = query.shape
     return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
@@ -180,6 +187,8 @@ def _no_mask(*args, **kwargs):
 
 def register() -> str:
     from transformers import AttentionInterface, AttentionMaskInterface
+    from data_plane import own_attention
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    own_attention.register_classes()
     return ATTENTION_NAME

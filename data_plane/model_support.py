@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from data_plane import attention
+from data_plane import attention, own_attention
 from shared.config import ConfigError
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -97,8 +97,16 @@ def config_reasons(config) -> list[str]:
     """Features of the config that no pagedserve op implements."""
     reasons = []
     attn_config = getattr(config, "attn_config", None)
-    if config.model_type == "bloom" or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
-        reasons.append("ALiBi position bias is not implemented")
+    alibi = config.model_type == "bloom" or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False)
+    if alibi and config.model_type == "falcon":
+        reasons.append("Falcon's ALiBi is not served: transformers' eager attention adds the bias twice, its "
+                       "SDPA attention once, so there is no one result to be identical to")
+    elif alibi and config.model_type not in own_attention.ALIBI_MODEL_TYPES:
+        reasons.append(f"ALiBi position bias is served for {sorted(own_attention.ALIBI_MODEL_TYPES)} only, "
+                       f"not {config.model_type}")
+    if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
+        reasons.append("slow_but_exact with pretraining_tp > 1 splits the output projection in a way "
+                       "pagedserve does not reproduce")
     if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
         reasons.append("multi-head latent attention (kv_lora_rank) is not implemented")
     v_dim, qk_dim = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
@@ -153,9 +161,9 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
             reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
                            f"declares {windows[c.layer_idx]}")
-        if c.sinks_shape is not None and c.sinks_shape != (c.query_shape[1],):
-            reasons.append(f"its attention sinks have shape {c.sinks_shape}, not one per query head "
-                           f"({c.query_shape[1]})")
+        for what, shape in (("attention sinks", c.sinks_shape), ("ALiBi slopes", c.alibi_shape)):
+            if shape is not None and shape != (c.query_shape[1],):
+                reasons.append(f"its {what} have shape {shape}, not one per query head ({c.query_shape[1]})")
         if c.other_kwargs.get("is_causal", True) is not True:
             reasons.append("its attention is not causal (is_causal=False); pagedserve's is")
         unknown = sorted(k for k, v in c.other_kwargs.items()
@@ -242,6 +250,7 @@ def check_model(model) -> Support:
         raise UnsupportedModel(arch, reasons)
     ids = _probe_ids(model)
     attention.prepare(model)
+    own_attention.install(model)
     _find_base_model(model)
     # probed on pagedserve's attention whatever the model was last set to (benchmarks switch it back
     # and forth); the base model as the runner calls it, then the whole model as generate does

@@ -64,6 +64,26 @@ def _llama4_text():
                             floor_scale=8, attn_scale=0.5), Llama4ForCausalLM
 
 
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                       eos_token_id=2), BloomForCausalLM
+
+
+def _mpt():
+    from transformers import MptConfig, MptForCausalLM
+    return MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=512,
+                     attn_config={"clip_qkv": 0.5}), MptForCausalLM
+
+
+def _falcon(alibi=False, **extra):
+    def build():
+        from transformers import FalconConfig, FalconForCausalLM
+        return FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            alibi=alibi, bos_token_id=1, eos_token_id=2, **extra), FalconForCausalLM
+    return build
+
+
 # name -> builder of (config, causal-LM class); every one is served token-identically
 SUPPORTED = {
     "Llama": _llama_like("Llama"),
@@ -99,6 +119,10 @@ SUPPORTED = {
     "OLMo 3 (window 12)": _llama_like("Olmo3", sliding_window=12),
     "Seed-OSS": _llama_like("SeedOss", head_dim=16),
     "Llama 4 text (chunks of 8, NoPE layer, MoE)": _llama4_text,
+    "BLOOM (ALiBi)": _bloom,
+    "MPT (ALiBi, clip_qkv)": _mpt,
+    "Falcon (multi-query, parallel attention)": _falcon(),
+    "Falcon (new decoder architecture, 2 KV heads)": _falcon(new_decoder_architecture=True, num_kv_heads=2),
 }
 
 
@@ -118,29 +142,10 @@ def build(builder, attn: str, seed: int = 0):
     return model
 
 
-def _falcon(alibi=False):
-    def build():
-        from transformers import FalconConfig, FalconForCausalLM
-        return FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            alibi=alibi, bos_token_id=1, eos_token_id=2), FalconForCausalLM
-    return build
-
-
 def _gpt_neo():
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
     return GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                         window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
-
-
-def _bloom():
-    from transformers import BloomConfig, BloomForCausalLM
-    return BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
-                       eos_token_id=2), BloomForCausalLM
-
-
-def _mpt():
-    from transformers import MptConfig, MptForCausalLM
-    return MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), MptForCausalLM
 
 
 def _deepseek_v3():
@@ -190,10 +195,8 @@ STATE_MODELS = {
 
 # name -> (builder, words the refusal must contain besides the architecture's name)
 REFUSED = {
-    "FalconForCausalLM": (_falcon(), "attention interface"),
+    "FalconForCausalLM": (_falcon(alibi=True), "adds the bias twice"),
     "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
-    "BloomForCausalLM": (_bloom, "ALiBi"),
-    "MptForCausalLM": (_mpt, "ALiBi"),
     "DeepseekV3ForCausalLM": (_deepseek_v3, "multi-head latent attention"),
     "MambaForCausalLM": (_mamba, "per-sequence state"),
     **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from data_plane import __main__ as data_plane_main
-from data_plane import attention, model_support
+from data_plane import attention, model_support, own_attention
 from tests.architectures import REFUSED, SUPPORTED, build
 
 
@@ -48,10 +48,10 @@ def test_probe_finds_windows_and_caps_per_layer():
 
 
 def test_a_model_that_computes_attention_itself_is_refused_by_the_probe(monkeypatch):
-    # BLOOM is refused for ALiBi by its config already; without that rule the probe still sees that
-    # no layer calls the attention interface
-    monkeypatch.setattr(model_support, "config_reasons", lambda config: [])
-    model = build(REFUSED["BloomForCausalLM"][0], attention.register())
+    # BLOOM computes attention in its own code; without its paged forward (data_plane/own_attention.py)
+    # the probe sees that no layer calls the attention interface
+    monkeypatch.setattr(own_attention, "FORWARDS", {})
+    model = build(SUPPORTED["BLOOM (ALiBi)"], attention.register())
     with pytest.raises(model_support.UnsupportedModel, match="BloomForCausalLM .*attention interface"):
         model_support.check_model(model)
 
@@ -82,11 +82,11 @@ def test_the_probe_uses_paged_attention_and_gives_back_the_models_own():
 
 
 def test_the_data_plane_exits_non_zero_naming_the_architecture(tmp_path, capsys):
-    build(REFUSED["FalconForCausalLM"][0], "eager").save_pretrained(tmp_path)
+    build(REFUSED["GPTNeoForCausalLM"][0], "eager").save_pretrained(tmp_path)
     code = data_plane_main.main(["--model", str(tmp_path), "--listen", "inproc://refused", "--device", "cpu"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "FalconForCausalLM is not supported by pagedserve" in err and "attention interface" in err
+    assert "GPTNeoForCausalLM is not supported by pagedserve" in err and "attention interface" in err
 
 
 @pytest.mark.parametrize("extra,reason", [({"is_causal": False}, "not causal"),
@@ -113,11 +113,12 @@ def test_chunked_layers_are_found_and_bound_what_blocks_can_be_freed():
     assert model_support.Support([None, None], [None, None], logits, "", [8, None]).freeable_window == 0
 
 
-def test_llama4_temperature_tuning_moves_to_paged_attention_and_back():
+def test_llama4_temperature_tuning_moves_to_paged_attention_while_it_runs():
     model = build(SUPPORTED["Llama 4 text (chunks of 8, NoPE layer, MoE)"], "eager")
     model_support.check_model(model)
     nope_layer = model.model.layers[3].self_attn
     assert not nope_layer.use_rope
-    assert bool(nope_layer.attn_temperature_tuning)          # eager: transformers scales the queries
-    model.set_attn_implementation(attention.register())
-    assert not bool(nope_layer.attn_temperature_tuning)      # paged: our attention scales them by position
+    assert bool(nope_layer.attn_temperature_tuning)          # generate: transformers scales the queries
+    with attention.record_calls():                           # a paged pass: our attention scales them
+        assert not bool(nope_layer.attn_temperature_tuning)
+    assert bool(nope_layer.attn_temperature_tuning)
