@@ -124,6 +124,9 @@ SUPPORTED = {
     "Falcon (multi-query, parallel attention)": _falcon(),
     "Falcon (new decoder architecture, 2 KV heads)": _falcon(new_decoder_architecture=True, num_kv_heads=2),
 }
+# served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
+SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
+           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE"}
 
 
 def build(builder, attn: str, seed: int = 0):
