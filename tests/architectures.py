@@ -151,12 +151,15 @@ def _gpt_neo():
                         window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
 
 
-def _deepseek_v3():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
-                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                            num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
-                            first_k_dense_replace=1), DeepseekV3ForCausalLM
+def _deepseek(version: str):
+    def build():
+        import transformers
+        config = getattr(transformers, f"Deepseek{version}Config")(
+            **{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=32, first_k_dense_replace=1)
+        return config, getattr(transformers, f"Deepseek{version}ForCausalLM")
+    return build
 
 
 def _mamba():
@@ -200,7 +203,8 @@ STATE_MODELS = {
 REFUSED = {
     "FalconForCausalLM": (_falcon(alibi=True), "adds the bias twice"),
     "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
-    "DeepseekV3ForCausalLM": (_deepseek_v3, "multi-head latent attention"),
+    "DeepseekV2ForCausalLM": (_deepseek("V2"), "multi-head latent attention"),
+    "DeepseekV3ForCausalLM": (_deepseek("V3"), "multi-head latent attention"),
     "MambaForCausalLM": (_mamba, "per-sequence state"),
     **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},
 }

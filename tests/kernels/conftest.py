@@ -6,6 +6,7 @@ compiler when the kernel module is imported), hence at conftest import time.
 from __future__ import annotations
 
 import os
+import random
 from types import SimpleNamespace
 
 import torch
@@ -113,6 +114,23 @@ def dense_attention(batch: PagedBatch, sliding_window=None, softcap=None, sinks=
                     weights = torch.cat([scores, sinks[h].float().view(1)]).softmax(0)[:-1]
                 out[starts[s] + i, h] = weights @ values[first:visible, h // group]
     return out
+
+
+def mixed_batch(seed, num_seqs, max_len, block_size, decode_only, heads=6, kv_heads=2, head_dim=16,
+                dtype=torch.float32, device="cpu") -> PagedBatch:
+    """Contexts of 1..max_len; all decode rows, or every third a query run of up to 40 tokens (the first
+    a whole prompt) among decode rows."""
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    q_lens = [1 if decode_only or i % 3 else min(s, rng.randint(2, 40)) for i, s in enumerate(seq_lens)]
+    if not decode_only:
+        q_lens[0] = seq_lens[0]   # a whole prompt
+    return PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, device=device, seed=seed)
+
+
+def assert_close_to(out, expected, atol=2e-5):
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=1e-4)
 
 
 def random_lens(rng, batch, max_context, decode_fraction):

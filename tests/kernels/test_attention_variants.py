@@ -8,14 +8,12 @@ window and a sink, as GPT-OSS's and Llama 4's layers combine them.
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 import kernels.paged_attention as pa
 from ops import attention, cpu_kernels, reference
-from tests.kernels.conftest import PagedBatch, dense_attention
+from tests.kernels.conftest import assert_close_to, dense_attention, mixed_batch
 
 HEADS = 8
 
@@ -46,24 +44,9 @@ def _variant(name, heads=HEADS, device="cpu"):
                 alibi=_slopes(heads).to(device) if alibi else None, chunk=chunk)
 
 
-def _batch(seed, num_seqs, max_len, block_size, decode_only, heads=HEADS, kv_heads=2, head_dim=16,
-           device="cpu"):
-    rng = random.Random(seed)
-    seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
-    q_lens = [1 if decode_only or i % 3 else min(s, rng.randint(2, 40)) for i, s in enumerate(seq_lens)]
-    if not decode_only:
-        q_lens[0] = seq_lens[0]   # a whole prompt
-    return PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                      block_size=block_size, dtype=torch.float32, device=device, seed=seed)
-
-
-def _close(out, expected, atol=2e-5):
-    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=1e-4)
-
-
 def test_every_variant_changes_the_result():
     # the oracle itself must see each setting, or every test below would pass vacuously
-    batch = _batch(2, 8, 120, 8, decode_only=False)
+    batch = mixed_batch(2, 8, 120, 8, decode_only=False, heads=HEADS)
     plain = dense_attention(batch)
     for name in SETTINGS:
         changed = (dense_attention(batch, **_variant(name)) - plain).abs().max()
@@ -72,9 +55,9 @@ def test_every_variant_changes_the_result():
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_reference_matches_dense(name):
-    batch = _batch(1, 20, 100, 8, decode_only=False)
+    batch = mixed_batch(1, 20, 100, 8, decode_only=False, heads=HEADS)
     out = reference.paged_attention(*batch.args(), None, **_variant(name))
-    _close(out, dense_attention(batch, **_variant(name)))
+    assert_close_to(out, dense_attention(batch, **_variant(name)))
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -83,22 +66,22 @@ def test_reference_matches_dense(name):
 def test_cpu_kernel_matches_dense(name, kv_heads, head_dim):
     assert cpu_kernels.load() is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
     # decode rows, short prompt runs (kernel rows) and one long run (the reference) in one call
-    batch = _batch(3, 16, 130, 8, decode_only=False, kv_heads=kv_heads, head_dim=head_dim)
+    batch = mixed_batch(3, 16, 130, 8, decode_only=False, kv_heads=kv_heads, head_dim=head_dim, heads=HEADS)
     out = attention.paged_attention(*batch.args(), **_variant(name))
-    _close(out, dense_attention(batch, **_variant(name)))
+    assert_close_to(out, dense_attention(batch, **_variant(name)))
 
 
 def test_cpu_kernel_takes_long_runs_to_the_reference_with_the_variant():
-    batch = _batch(4, 3, 100, 8, decode_only=False)
+    batch = mixed_batch(4, 3, 100, 8, decode_only=False, heads=HEADS)
     work = attention.kernel_rows(batch.query_start_loc, batch.seq_lens, batch.block_tables, max_query=4)
     assert work.rest, "no run went to the reference"
     variant = _variant("chunk16-w5-sinks")
     out = attention.paged_attention(*batch.args(), kernel_rows=work, **variant)
-    _close(out, dense_attention(batch, **variant))
+    assert_close_to(out, dense_attention(batch, **variant))
 
 
 def test_bad_sinks_slopes_or_chunk_are_errors():
-    batch = _batch(5, 2, 20, 8, decode_only=True)
+    batch = mixed_batch(5, 2, 20, 8, decode_only=True, heads=HEADS)
     with pytest.raises(ValueError, match="sinks must be float32"):
         attention.paged_attention(*batch.args(), sinks=torch.zeros(HEADS - 1))
     with pytest.raises(ValueError, match="alibi must be float32"):
@@ -119,17 +102,17 @@ TRITON_SETTINGS = ["sinks-w5", "alibi-cap5", "chunk7", "chunk16-w5-sinks"]
 @pytest.mark.parametrize("name", TRITON_SETTINGS)
 @pytest.mark.parametrize("partition", [None, 48], ids=["one-partition", "split-k"])
 def test_triton_decode_matches_dense(kt, name, partition):
-    batch = _batch(6, 4, 150, 16, decode_only=True, device=kt.device)
+    batch = mixed_batch(6, 4, 150, 16, decode_only=True, device=kt.device, heads=HEADS)
     batch.seq_lens[0] = 150   # spans partitions, most of them outside a window or chunk
     variant = _variant(name, device=kt.device)
     out = pa.paged_attention_triton(*batch.args(), max_query_len=1, partition_size=partition, **variant)
-    _close(out, dense_attention(batch, **variant), atol=1e-4)
+    assert_close_to(out, dense_attention(batch, **variant), atol=1e-4)
 
 
 @pytest.mark.parametrize("name", TRITON_SETTINGS)
 def test_triton_prefill_and_extend_match_dense(kt, name):
     # chunks over a cached prefix (extend), whole prompts and decode rows in one launch
-    batch = _batch(7, 5, 120, 16, decode_only=False, device=kt.device)
+    batch = mixed_batch(7, 5, 120, 16, decode_only=False, device=kt.device, heads=HEADS)
     variant = _variant(name, device=kt.device)
     out = pa.paged_attention_triton(*batch.args(), max_query_len=batch.max_query_len, **variant)
-    _close(out, dense_attention(batch, **variant), atol=1e-4)
+    assert_close_to(out, dense_attention(batch, **variant), atol=1e-4)
