@@ -159,6 +159,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)   # [tokens, heads, dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    v_dim = v.shape[-1]
+    if v_dim < k.shape[-1]:
+        # V heads narrower than K heads (multi-head latent attention): stored padded with zeros, which add
+        # nothing to the weighted sum; the output's padding is cut off below
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - v_dim))
     write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
@@ -166,7 +171,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                           sinks=None if s_aux is None else s_aux.detach().float(), alibi=alibi,
                           chunk=layer_chunk(module),
                           kernel_rows=ctx.kernel_rows)
-    return out.unsqueeze(0), None  # [1, tokens, heads, dim]
+    return out[..., :v_dim].unsqueeze(0), None  # [1, tokens, heads, V's dim]
 
 
 def _record(module, query, key, value, scaling, sliding_window, softcap, s_aux, alibi, kwargs):

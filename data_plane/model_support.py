@@ -78,7 +78,11 @@ def architecture(config, model=None) -> str:
 
 
 def head_dim(config) -> int:
-    """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same)."""
+    """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same): with
+    multi-head latent attention (DeepSeek-V2/V3) the K head size, query and key, nope and rotary parts
+    together; V heads are narrower and are stored padded to it (data_plane/attention.py)."""
+    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_head_dim", None):
+        return config.qk_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -107,11 +111,10 @@ def config_reasons(config) -> list[str]:
     if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
         reasons.append("slow_but_exact with pretraining_tp > 1 splits the output projection in a way "
                        "pagedserve does not reproduce")
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
-        reasons.append("multi-head latent attention (kv_lora_rank) is not implemented")
     v_dim, qk_dim = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
-    if v_dim and qk_dim and v_dim != qk_dim:
-        reasons.append(f"K head size {qk_dim} differs from V head size {v_dim}; the KV pool has one head size")
+    if v_dim and qk_dim and v_dim > qk_dim:
+        reasons.append(f"V head size {v_dim} is wider than K head size {qk_dim}; the KV pool holds V heads "
+                       "no wider than K heads")
     types = getattr(config, "layer_types", None) or []
     state = sorted(set(types) & STATE_LAYER_TYPES)
     if state:
@@ -151,9 +154,9 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
     dim, kv_heads = head_dim(config), getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     windows = config_windows(config)
     for c in calls:
-        if c.key_shape[-1] != c.value_shape[-1]:
-            reasons.append(f"K head size {c.key_shape[-1]} differs from V head size {c.value_shape[-1]}; "
-                           "the KV pool has one head size")
+        if c.key_shape[-1] < c.value_shape[-1]:
+            reasons.append(f"V head size {c.value_shape[-1]} is wider than K head size {c.key_shape[-1]}; "
+                           "the KV pool holds V heads no wider than K heads")
         elif c.key_shape[-1] != dim or c.query_shape[-1] != dim:
             reasons.append(f"attention heads of size {c.key_shape[-1]} do not match the config's head size {dim}")
         if c.key_shape[1] != kv_heads or c.query_shape[1] % c.key_shape[1]:

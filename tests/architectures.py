@@ -84,6 +84,17 @@ def _falcon(alibi=False, **extra):
     return build
 
 
+def _deepseek(version: str, q_lora_rank: int | None = None):
+    def build():
+        import transformers
+        config = getattr(transformers, f"Deepseek{version}Config")(
+            **{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=32, first_k_dense_replace=1)
+        return config, getattr(transformers, f"Deepseek{version}ForCausalLM")
+    return build
+
+
 # name -> builder of (config, causal-LM class); every one is served token-identically
 SUPPORTED = {
     "Llama": _llama_like("Llama"),
@@ -123,6 +134,8 @@ SUPPORTED = {
     "MPT (ALiBi, clip_qkv)": _mpt,
     "Falcon (multi-query, parallel attention)": _falcon(),
     "Falcon (new decoder architecture, 2 KV heads)": _falcon(new_decoder_architecture=True, num_kv_heads=2),
+    "DeepSeek-V2 (latent attention, K 24 wide, V 16)": _deepseek("V2"),
+    "DeepSeek-V3 (latent attention, K 24 wide, V 16, q_lora)": _deepseek("V3", q_lora_rank=16),
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
@@ -149,17 +162,6 @@ def _gpt_neo():
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
     return GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                         window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
-
-
-def _deepseek(version: str):
-    def build():
-        import transformers
-        config = getattr(transformers, f"Deepseek{version}Config")(
-            **{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            moe_intermediate_size=32, first_k_dense_replace=1)
-        return config, getattr(transformers, f"Deepseek{version}ForCausalLM")
-    return build
 
 
 def _mamba():
@@ -203,8 +205,6 @@ STATE_MODELS = {
 REFUSED = {
     "FalconForCausalLM": (_falcon(alibi=True), "adds the bias twice"),
     "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
-    "DeepseekV2ForCausalLM": (_deepseek("V2"), "multi-head latent attention"),
-    "DeepseekV3ForCausalLM": (_deepseek("V3"), "multi-head latent attention"),
     "MambaForCausalLM": (_mamba, "per-sequence state"),
     **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},
 }

@@ -122,3 +122,10 @@ def test_llama4_temperature_tuning_moves_to_paged_attention_while_it_runs():
     with attention.record_calls():                           # a paged pass: our attention scales them
         assert not bool(nope_layer.attn_temperature_tuning)
     assert bool(nope_layer.attn_temperature_tuning)
+
+
+def test_latent_attention_pools_k_wide_heads_and_refuses_v_wider_than_k():
+    config, _ = SUPPORTED["DeepSeek-V2 (latent attention, K 24 wide, V 16)"]()
+    assert model_support.head_dim(config) == 24 and not model_support.config_reasons(config)
+    config.v_head_dim = 32
+    assert any("V head size 32 is wider than K head size 24" in r for r in model_support.config_reasons(config))
