@@ -344,7 +344,9 @@ class Api:
         if status is not None:   # a probe or a load balancer may come back after Retry-After
             return web.json_response({"status": status}, status=503,
                                      headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        return web.json_response({"status": "ok"})
+        # replicas (control_plane/router.py): "degraded" while some are down, still a 200: it serves
+        replicas = getattr(self.engine, "health", None)
+        return web.json_response(replicas() if replicas is not None else {"status": "ok"})
 
     async def version(self, request: web.Request) -> web.Response:
         hs = self.engine.hs

@@ -38,6 +38,9 @@ HEARTBEAT_TIMEOUT_MS = 10000
 # closes its link only after its own heartbeat timeout (data_plane/worker.py, also 10 s)
 REFUSAL_GRACE_SECONDS = 12.0
 HELLO_RETRY_SECONDS = 0.5
+# a TCP connect that gets no answer (a host cut off) is given up after this and tried again, so
+# that the link comes back soon after the network heals (the OS would wait minutes)
+CONNECT_TIMEOUT_MS = 2000
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -76,6 +79,7 @@ class DataPlaneClient:
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         if self.curve is not None:
             curve.secure_client(self.sock, self.curve)
         address = f"inproc://dp-monitor-{uuid.uuid4().hex}"

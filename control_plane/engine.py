@@ -63,6 +63,11 @@ class Engine:
         self._answering = True   # False from a failed exchange until the data plane answers a handshake
         self.isolation = FailureIsolation(self)   # a failed step fails only the request that caused it
         self.on_dead = None    # async callable that restarts the data plane, when this process spawned it
+        # replicas (control_plane/failover.py): called with this engine when its data plane is declared
+        # gone (its requests may move elsewhere) and when one answers again
+        self.on_down = None
+        self.on_up = None
+        self.awaiting_handshake = False   # started while its data plane was down: run() connects first
         self.stats = metrics.EngineStats(config.model_name)
         self.outputs = OutputProcessor(self.scheduler, self.stats, tokenizer, self.eos_token_ids,
                                        handshake.max_model_len)
@@ -181,7 +186,7 @@ class Engine:
         req = Request(request_id, prompt_ids, params, self.tokenizer)
         if timeout is not None:
             req.deadline = time.monotonic() + timeout
-            heapq.heappush(self._deadlines, (req.deadline, id(req), req))
+            self.watch_deadline(req)
         seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), params, params.spec(self.eos_token_ids))
         if params.use_beam_search:
             req.beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, params.max_tokens,
@@ -204,6 +209,9 @@ class Engine:
             self.outputs.end_request(req, reason, error)
             self._wakeup.set()
 
+    def watch_deadline(self, req: Request) -> None:
+        heapq.heappush(self._deadlines, (req.deadline, id(req), req))
+
     def num_unfinished(self) -> int:
         return len(self.outputs.live_requests())
 
@@ -215,12 +223,15 @@ class Engine:
             heapq.heapify(self._deadlines)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, req = heapq.heappop(self._deadlines)
-            if not req.finished:
+            # a request moved to another replica (failover.py) is that one's to end
+            if not req.finished and any(seq_id in self.owners for seq_id in req.seqs):
                 log.info("request %s passed its deadline; aborted", req.request_id)
                 self.abort(req, "timeout")
 
     # --- the loop -----------------------------------------------------------------------
     async def run(self) -> None:
+        if self.awaiting_handshake:
+            await self._reconnect()
         last_log = time.monotonic()
         while not self._stopping:
             now = time.monotonic()
@@ -249,22 +260,51 @@ class Engine:
             log.error("%s", exc)
             self.data_plane_alive = False
             self._in_flight = None      # its result will never come: the sequences are recomputed
-            while not self._stopping:
-                if self.on_dead is not None:
-                    await self.on_dead()
-                try:
-                    self.hs = await self.client.handshake(self.config.step_timeout + RESTART_SECONDS)
-                except DataPlaneDead as again:
-                    log.error("%s", again)
-                    await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
-                    continue
-                self._requeue_all()
-                self.data_plane_alive = True
-                return
+            if self.on_down is not None:
+                self._reset_pool()      # the lost pool's blocks are free; its requests may move away
+                self.on_down(self)
+            await self._reconnect()
 
-    def _requeue_all(self) -> None:
-        """After a data-plane restart its pool is new and empty: every sequence starts over. The new
-        data plane may differ (pool sizes, dtype): what depends on its handshake is renewed."""
+    async def _reconnect(self) -> None:
+        """Until a data plane answers at this engine's address: restarts it when we spawned it, and
+        asks for a handshake; then every sequence left here is recomputed on it."""
+        while not self._stopping:
+            if self.on_dead is not None:
+                await self.on_dead()
+            try:
+                hs = await self._handshake_keeping_deadlines()
+            except DataPlaneDead as again:
+                log.error("%s", again)
+                await asyncio.sleep(1.0)   # a refusal answers at once: do not spin
+                continue
+            if (hs.vocab_size, hs.block_size) != (self.hs.vocab_size, self.hs.block_size):
+                log.error("the data plane at %s serves another model or block size (%s, block size %d) than "
+                          "this server (%s, block size %d); it is not used", self.client.address, hs.model_id,
+                          hs.block_size, self.hs.model_id, self.hs.block_size)
+                await asyncio.sleep(self.config.step_timeout)
+                continue
+            self.hs = hs
+            self.awaiting_handshake = False
+            self._requeue_all()
+            self.data_plane_alive = True
+            if self.on_up is not None:
+                self.on_up(self)
+            return
+
+    async def _handshake_keeping_deadlines(self) -> Handshake:
+        """The handshake; meanwhile the requests waiting here still end at their deadlines."""
+        task = asyncio.ensure_future(self.client.handshake(self.config.step_timeout + RESTART_SECONDS))
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=1.0)
+                self._expire_deadlines()
+            return task.result()
+        finally:
+            task.cancel()
+
+    def _reset_pool(self) -> int:
+        """A new, empty pool for the data plane of the last handshake: every unfinished sequence
+        waits to be recomputed. Returns how many."""
         num_seqs = self.scheduler.restart(self._block_manager())
         self.stats.on_new_block_manager()
         self.policy.block_bytes = PreemptionPolicy.block_bytes_of(self.hs)
@@ -272,6 +312,12 @@ class Engine:
         for req in self.outputs.live_requests():
             if req.beam is not None:
                 req.beam.candidates.clear()   # recomputed beams report again
+        return num_seqs
+
+    def _requeue_all(self) -> None:
+        """After a data-plane restart its pool is new and empty: every sequence starts over. The new
+        data plane may differ (pool sizes, dtype): what depends on its handshake is renewed."""
+        num_seqs = self._reset_pool()
         log.info("the data plane answers again; %d sequences re-queued for recompute", num_seqs)
 
     async def step(self) -> None:

@@ -94,17 +94,23 @@ async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlan
     from control_plane.dp_client import DataPlaneClient, DataPlaneRefused
     client = DataPlaneClient(address, cp.curve_keys)
     task = asyncio.ensure_future(client.handshake(HANDSHAKE_TIMEOUT))
-    while not task.done():
-        await asyncio.wait([task], timeout=1.0)
-        if child is not None and not child.alive():
-            task.cancel()
-            raise SystemExit(f"the data plane at {address} exited with code {child.proc.returncode} "
-                             "before the handshake")
-        if stop.is_set():
-            task.cancel()
-            await client.shutdown()
-            client.close()
-            return None, None
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=1.0)
+            if child is not None and not child.alive():
+                task.cancel()
+                raise SystemExit(f"the data plane at {address} exited with code {child.proc.returncode} "
+                                 "before the handshake")
+            if stop.is_set():
+                task.cancel()
+                if child is not None:   # one started elsewhere is left running (server.py)
+                    await client.shutdown()
+                client.close()
+                return None, None
+    except asyncio.CancelledError:   # given up on (connect_replicas): the handshake stops with it
+        task.cancel()
+        client.close()
+        raise
     try:
         hs = task.result()
     except DataPlaneRefused as exc:   # another control plane owns it: it keeps it, we leave
@@ -114,3 +120,32 @@ async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlan
     if child is not None:
         client.alive_check = child.alive
     return client, hs
+
+
+async def connect_replicas(cp: C.ControlPlaneConfig, addresses: list[str], children: list, stop: asyncio.Event):
+    """connect() for every replica. Spawned data planes are all waited for. Data planes started
+    elsewhere are waited for until the first answers, and then --step-timeout more: a replica still
+    silent then is (None, None) here, and its engine connects while the others serve."""
+    tasks = [asyncio.ensure_future(connect(cp, a, c, stop)) for a, c in zip(addresses, children)]
+    try:
+        if any(c is not None for c in children) or len(tasks) == 1:
+            return await asyncio.gather(*tasks)
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()   # a refusal (SystemExit) ends the start here
+        if pending and not stop.is_set():
+            await asyncio.wait(pending, timeout=cp.step_timeout)
+        for task in tasks:
+            if task.done():
+                task.result()
+        late = [a for a, t in zip(addresses, tasks) if not t.done()]
+        if late:
+            log.warning("no handshake from %s within %.0fs of the first replica's; serving without %s until %s",
+                        ", ".join(late), cp.step_timeout, "them" if len(late) > 1 else "it",
+                        "they answer" if len(late) > 1 else "it answers")
+        return [t.result() if t.done() else (None, None) for t in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

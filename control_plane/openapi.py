@@ -125,7 +125,9 @@ def openapi_spec(max_n: int = 16, model_name: str = "model", vocab_size: int | N
                                      "requestBody": _body("#/components/schemas/DetokenizeRequest"),
                                      "responses": {"200": _json("", simple), "400": _error("bad input")}}},
             "/health": {"get": {"summary": "200 when requests can be served", "responses": {
-                "200": _json("ok", simple), "503": _json("data plane down, or shutting down", simple)}}},
+                "200": _json("ok; with replicas, 'degraded' while some are down (the others serve), with "
+                             "replicas, replicas_up and replicas_down", simple),
+                "503": _json("data plane down (every replica), or shutting down", simple)}}},
             "/version": {"get": {"summary": "version, device, pool sizes", "responses": {"200": _json("", simple)}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

@@ -12,8 +12,14 @@ own data plane with its own KV pool; the router only chooses, per request, which
   3. otherwise, by load: the live replica with the fewest unfinished requests (ties: the one that
      was given fewer requests so far).
 
+A replica whose data plane is gone hands its unfinished requests to the live replicas
+(control_plane/failover.py); one that answers again takes new requests, and takes over the
+requests of replicas still down when it was the only way to run them. A replica whose data plane
+did not answer at start joins when it does. /health is "degraded" while some replicas are down.
+
 To the API the router looks like one engine (the interface section of engine.py); /metrics exports
-every engine's series with a `replica` label ("0", "1", ...).
+every engine's series with a `replica` label ("0", "1", ...), and the router's own: replicas up,
+requests moved.
 """
 from __future__ import annotations
 
@@ -22,7 +28,9 @@ import logging
 from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from control_plane import failover
 
 from control_plane.block_manager import chain_block_hashes
 from control_plane.engine import Engine
@@ -56,7 +64,11 @@ class Router:
         self._affinity: OrderedDict[int, int] = OrderedDict()   # leading-block hash -> replica
         self.num_routed = [0] * len(engines)
         self.num_affinity_hits = 0
-        self.stats = _ReplicaStats(engines)
+        self.num_moved = 0
+        for e in engines:
+            e.on_down = self._on_down
+            e.on_up = self._on_up
+        self.stats = _ReplicaStats(self)
 
     # --- what api.py reads of an engine -------------------------------------------------
     @property
@@ -79,6 +91,16 @@ class Router:
     def draining(self, value: bool) -> None:
         for e in self.engines:
             e.draining = value
+
+    def live_replicas(self) -> list[int]:
+        return [i for i, e in enumerate(self.engines) if e.data_plane_alive]
+
+    def health(self) -> dict:
+        """/health's body: every replica up is "ok"; some down, "degraded" (still served)."""
+        up = self.live_replicas()
+        down = [i for i in range(len(self.engines)) if i not in up]
+        return {"status": "degraded" if down else "ok", "replicas": len(self.engines), "replicas_up": len(up),
+                "replicas_down": down}
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         for e in self.engines:
@@ -141,6 +163,29 @@ class Router:
     def abort(self, req: Request, *args, **kwargs) -> None:
         self.engines[req.replica].abort(req, *args, **kwargs)
 
+    # --- replicas lost and back -----------------------------------------------------------------
+    def _on_down(self, engine: Engine) -> None:
+        replica = self.engines.index(engine)
+        live = self.live_replicas()
+        if not live:
+            log.error("replica %d is down, and no other replica is up: its %d requests wait for one",
+                      replica, engine.num_unfinished())
+            return
+        requests = failover.detach(engine)
+        log.warning("replica %d is down; %d requests move to replica%s %s", replica, len(requests),
+                    "s" if len(live) > 1 else "", ", ".join(map(str, live)))
+        self.num_moved += failover.move(requests, self.engines, live)
+
+    def _on_up(self, engine: Engine) -> None:
+        replica = self.engines.index(engine)
+        log.info("replica %d is up (%d of %d)", replica, len(self.live_replicas()), len(self.engines))
+        for i, other in enumerate(self.engines):
+            if not other.data_plane_alive and other.num_unfinished():
+                requests = failover.detach(other)
+                log.warning("replica %d is still down; its %d requests move to replica %d", i, len(requests),
+                            replica)
+                self.num_moved += failover.move(requests, self.engines, [replica])
+
     # --- lifetime -----------------------------------------------------------------------------
     async def run(self) -> None:
         await asyncio.gather(*(e.run() for e in self.engines))
@@ -151,16 +196,33 @@ class Router:
 
 
 class _ReplicaStats:
-    """/metrics of all replicas: each engine's own series, with a `replica` label added."""
+    """/metrics of all replicas: each engine's own series, with a `replica` label added, and the
+    router's own series."""
 
-    def __init__(self, engines: list[Engine]):
-        self.engines = engines
+    def __init__(self, router: Router):
+        self.router = router
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
     def collect(self):
+        router = self.router
+        name = [router.config.model_name]
+        up = GaugeMetricFamily("pagedserve_replicas_up", "Replicas whose data plane answers", labels=["model_name"])
+        up.add_metric(name, len(router.live_replicas()))
+        yield up
+        total = GaugeMetricFamily("pagedserve_replicas", "Replicas this control plane serves with",
+                                  labels=["model_name"])
+        total.add_metric(name, len(router.engines))
+        yield total
+        moved = CounterMetricFamily("pagedserve_requests_moved", "Requests moved to another replica, where they "
+                                    "were recomputed, because theirs was down", labels=["model_name"])
+        moved.add_metric(name, router.num_moved)
+        yield moved
+        yield from self._per_replica()
+
+    def _per_replica(self):
         families: dict[str, Metric] = {}
-        for replica, e in enumerate(self.engines):
+        for replica, e in enumerate(self.router.engines):
             for metric in e.stats.registry.collect():
                 merged = families.get(metric.name)
                 if merged is None:

@@ -16,6 +16,7 @@ SHUTDOWN_WRITE_SECONDS = 5.0  # after aborting, what handlers get to write their
 
 async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: list) -> None:
     """`children`: the spawned data-plane processes, one per address, or empty when they run elsewhere."""
+    from control_plane.dp_client import DataPlaneClient
     from control_plane.engine import Engine
     from control_plane.router import Router
 
@@ -28,7 +29,7 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
     log.info("waiting for the data plane%s at %s%s", "s" if len(addresses) > 1 else "", ", ".join(addresses),
              " (CURVE)" if cp.curve_keys else "")
     children = children or [None] * len(addresses)
-    connected = await asyncio.gather(*(launch.connect(cp, a, c, stop) for a, c in zip(addresses, children)))
+    connected = await launch.connect_replicas(cp, addresses, children, stop)
     if stop.is_set():
         log.info("stopped before the data planes answered")
         for client, _ in connected:
@@ -38,7 +39,13 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
         return
     tokenizer = await tokenizer_task
     engines = []
+    first_hs = next(hs for _, hs in connected if hs is not None)
     for i, ((client, hs), child) in enumerate(zip(connected, children)):
+        if hs is None:   # a replica down at start: its engine connects first (engine.run), then serves
+            engine = Engine(cp, DataPlaneClient(addresses[i], cp.curve_keys), first_hs, tokenizer)
+            engine.awaiting_handshake, engine.data_plane_alive = True, False
+            engines.append(engine)
+            continue
         log.info("data plane %d ready: %s on %s, %s, %d blocks of %d tokens, max length %d", i, hs.model_id,
                  hs.device, hs.dtype, hs.num_device_blocks, hs.block_size, hs.max_model_len)
         engine = Engine(cp, client, hs, tokenizer)
@@ -49,8 +56,11 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
         await serve_until_stopped(engines[0], cp, stop, hurry)
     else:
         await serve_until_stopped(Router(engines), cp, stop, hurry, f" with {len(engines)} replicas")
-    for e in engines:
-        await e.client.shutdown()
+    for e, child in zip(engines, children):
+        # a data plane started elsewhere is left running: it belongs to whoever started it, and a
+        # control plane started again takes it over; one we spawned is told to stop
+        if child is not None:
+            await e.client.shutdown()
         e.client.close()
 
 

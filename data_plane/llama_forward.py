@@ -147,42 +147,117 @@ class LlamaForward:
         # the dispatching ops (Triton when forced, the torch reference without the kernel)
         weight = model.get_output_embeddings().weight
         self.attention_kernel = attention_ops.cpu_kernel_for(weight.device, weight.dtype)
+        self.kernel = kernel
+        self.fused_attention = self.attention_kernel is not None and use_kernel
+        # each norm's (weight, eps): norms[i] before layer i (norms[-1] the model's last), post_norms[i] after
+        # layer i's attention
+        self.norms = [(layer.input_norm.weight, layer.input_norm.variance_epsilon) for layer in self.layers]
+        self.norms.append((self.model.norm.weight, self.model.norm.variance_epsilon))
+        self.post_norms = [(layer.post_norm.weight, layer.post_norm.variance_epsilon) for layer in self.layers]
+        self._route_cap = 1 + max([linear_ops.BF16_CODES_MAX_ROWS] + [lin.skinny_max_rows for lin in self.linears()])
+        self._route_cache: dict[int, list[tuple]] = {}
+        self._pool, self._pool_views = None, []
+        self.rotary = _Rotary(self.model.rotary_emb, getattr(model.config, "max_position_embeddings", 0) or 0,
+                              weight.dtype)
 
     def linears(self) -> list[linear_ops.RoutedLinear]:
         """Every layer's routed products (the output layer is not among them)."""
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        m, ops = self.model, self.ops
+        m, ops, kernel = self.model, self.ops, self.kernel
         residual = m.embed_tokens(input_ids)                                 # [tokens, hidden], a new tensor
-        cos, sin = m.rotary_emb(residual[None], position_ids=positions[None])  # [1, tokens, dim]
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self.rotary.cos_sin(residual, positions)
         tokens = residual.shape[0]
+        routes = self._routes(tokens)
+        caches = self._caches(ctx.kv_pool)
+        rows = ctx.kernel_rows
+        # the attention in two calls (rotary_store, paged_decode) when the kernel takes every query row
+        fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
-        norm = self.layers[0].input_norm
-        x = ops.add_rms_norm(residual, None, norm.weight, norm.variance_epsilon)
+        x = ops.add_rms_norm(residual, None, *self.norms[0])
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
-            q = qkv[:, :layer.q_size].view(tokens, layer.num_heads, layer.head_dim)
-            k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, layer.num_kv_heads, layer.head_dim)
-            v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
-            q, k = ops.rotary(q, k, cos, sin)
-            cache = ctx.kv_pool[index]
-            if self.attention_kernel is not None:
-                self.attention_kernel.write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
-                out = attention_ops.paged_attention_cpu(self.attention_kernel, q, cache[0], cache[1], ctx.block_tables,
-                                                        ctx.seq_lens, ctx.query_start_loc, layer.scaling,
-                                                        work=ctx.kernel_rows)
+            qkv_of, o_of, gate_up_of, down_of = routes[index]
+            k_cache, v_cache = caches[index]
+            qkv = qkv_of(x)
+            if fused:
+                q = kernel.rotary_store(qkv, layer.num_heads, layer.num_kv_heads, cos, sin, k_cache, v_cache,
+                                        ctx.slot_mapping)
+                out = torch.empty_like(q)
+                kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling, 0, 0.0)
             else:
-                write_kv(k, v, cache[0], cache[1], ctx.slot_mapping)
-                out = paged_attention(q, cache[0], cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                      layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows)
-            x = ops.add_rms_norm(residual, layer.o(out.view(tokens, layer.q_size)), layer.post_norm.weight,
-                                 layer.post_norm.variance_epsilon)
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
-            norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else m.norm
-            x = ops.add_rms_norm(residual, down, norm.weight, norm.variance_epsilon)
+                out = self._attention(layer, qkv, cos, sin, k_cache, v_cache, ctx)
+            x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size)), *self.post_norms[index])
+            x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x))), *self.norms[index + 1])
         return x
+
+    def _attention(self, layer: _Layer, qkv, cos, sin, k_cache, v_cache, ctx) -> torch.Tensor:
+        """Attention by separate calls: the torch operations, Triton, or prompt runs the kernel leaves to
+        the reference."""
+        tokens = qkv.shape[0]
+        q = qkv[:, :layer.q_size].view(tokens, layer.num_heads, layer.head_dim)
+        k = qkv[:, layer.q_size:layer.q_size + layer.kv_size].view(tokens, layer.num_kv_heads, layer.head_dim)
+        v = qkv[:, layer.q_size + layer.kv_size:].view(tokens, layer.num_kv_heads, layer.head_dim)
+        q, k = self.ops.rotary(q, k, cos, sin)
+        if self.attention_kernel is not None:
+            self.attention_kernel.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+            return attention_ops.paged_attention_cpu(self.attention_kernel, q, k_cache, v_cache, ctx.block_tables,
+                                                     ctx.seq_lens, ctx.query_start_loc, layer.scaling,
+                                                     work=ctx.kernel_rows)
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                               layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows)
+
+    def _routes(self, rows: int) -> list[tuple]:
+        """Per layer, the functions of its four products for a step of `rows` rows (RoutedLinear.route),
+        chosen once per row count: the routes differ only up to a few rows, so counts beyond those share one
+        entry."""
+        key = min(rows, self._route_cap)
+        routes = self._route_cache.get(key)
+        if routes is None:
+            routes = [tuple(lin.route(rows) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                      for layer in self.layers]
+            self._route_cache[key] = routes
+        return routes
+
+    def _caches(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) views of the pool, made once per pool."""
+        if self._pool is not pool:
+            self._pool, self._pool_views = pool, [(pool[i][0], pool[i][1]) for i in range(len(self.layers))]
+        return self._pool_views
+
+
+class _Rotary:
+    """The rotary embedding's cos and sin for a step's positions: rows of tables made once by the model's
+    own rotary module for every position, when its values do not depend on the sequence (not a dynamic
+    scaling) and the tables give its per-call values bit for bit (checked at start); else the module
+    called at every step."""
+
+    def __init__(self, module, limit: int, dtype: torch.dtype):
+        self.module, self.limit = module, limit
+        self.cos = self.sin = None
+        kind = str(getattr(module, "rope_type", "default"))
+        if "dynamic" in kind or "longrope" in kind or limit <= 0:
+            return
+        probe = torch.zeros(1, 1, 1, dtype=dtype)
+        cos, sin = self._call(probe, torch.arange(limit))
+        checks = [torch.tensor([0]), torch.tensor([limit - 1]), torch.arange(3, 40),
+                  torch.randperm(limit, generator=torch.Generator().manual_seed(0))[:64]]
+        if all(torch.equal(a, cos.index_select(0, p)) and torch.equal(b, sin.index_select(0, p))
+               for p in checks for a, b in [self._call(probe, p)]):
+            self.cos, self.sin = cos, sin
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.module(x, position_ids=positions[None])   # [1, tokens, dim]
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor):
+        if self.cos is not None:
+            try:
+                return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+            except IndexError:   # a position beyond the tables: the module's own values
+                pass
+        return self._call(x[None], positions)
 
 
 def build(model, codes: bool | dict = True) -> tuple[LlamaForward | None, str | None]:

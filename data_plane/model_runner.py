@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_plane import attention, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
+from data_plane import attention, block_tables, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -32,6 +32,7 @@ class SeqState:
     num_computed_tokens: int
     block_ids: list[int]
     sampling: SamplingSpec
+    row: int = -1        # its row of the runner's BlockTables
 
 
 class PlanError(ValueError):
@@ -70,29 +71,69 @@ def load_model(config: DataPlaneConfig, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, model, config: DataPlaneConfig, device: torch.device):
+    def __init__(self, model, config: DataPlaneConfig, device: torch.device, sample=sampler.sample):
+        """Start-up in phases: the model in its serving type, the KV pool, the kernels' warm-up, the forward
+        and its linear routes, the decode graphs."""
+        self.device = device
+        self.sample = sample   # (logits, SampleRows) -> draws per row: sampler.sample, or a tensor-parallel rank's
+        wide_codes = self._load(model, config)
+        capture, graph_buckets = self._allocate_pool(config)
+        self.seqs: dict[int, SeqState] = {}
+        self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
+        self._arange = torch.arange(64, dtype=torch.int64, device=device)
+        compiled = warmup.warm_up(self.layer_caches, self.model.config.num_attention_heads // config.tensor_parallel_size)
+        if compiled is not None:
+            log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
+        routes, why_not = self._route(config, wide_codes)
+        self.graphs = None
+        if config.decode_graphs == "eager" or capture:
+            self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
+                                                     -(-self.max_model_len // self.block_size), graph_buckets,
+                                                     device, capture)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
+                 "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20, device,
+                 attention_ops.backend(device, self.dtype),
+                 "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
+                 routes["codes"], routes["kernel"], routes["packed"])
+
+    def _load(self, model, config: DataPlaneConfig) -> dict | None:
+        """The model in the serving type, its shapes, and whether it can be served exactly (refused
+        otherwise); returns the GGUF codes found while a model to be served in bfloat16 was float32."""
         self.dtype = getattr(torch, config.dtype)
         # a float32 model to be served in bfloat16 (load_model): its GGUF codes are found while it is float32
         wide_codes = quantized.codes_by_module(model) if model.dtype == torch.float32 and \
-            self.dtype == torch.bfloat16 and config.gguf_codes and device.type == "cpu" else None
+            self.dtype == torch.bfloat16 and config.gguf_codes and self.device.type == "cpu" else None
         model = model.to(self.dtype)
         self.model = model
-        self.device = device
         self.block_size = config.block_size
-        self.triton = attention_ops.use_triton(device)
+        self.triton = attention_ops.use_triton(self.device)
         if self.triton and self.block_size < MIN_TRITON_BLOCK_SIZE:
             raise ConfigError(f"--block-size {self.block_size} is for the CPU path; the Triton kernels "
-                              f"({device}) need {MIN_TRITON_BLOCK_SIZE} or more")
+                              f"({self.device}) need {MIN_TRITON_BLOCK_SIZE} or more")
         mc = model.config
         self.num_layers = mc.num_hidden_layers
         # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)
         self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
             // config.tensor_parallel_size
         self.head_dim = model_support.head_dim(mc)
-        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                     config.dtype)
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
         self.max_model_len = min(model_max, config.max_model_len or model_max)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
+        support = model_support.check_model(model)
+        self.final_logits = support.final_logits
+        # > 0: the control plane frees blocks outside this window; their table entries come as -1
+        self.sliding_window = support.freeable_window
+        self.model_id = config.model
+        return wide_codes
+
+    def _allocate_pool(self, config: DataPlaneConfig) -> tuple[bool, list[int]]:
+        """The KV pool on the device (less what decode graphs will need) and the swap space; returns
+        whether graphs are captured, and their batch sizes."""
+        mc, device = self.model.config, self.device
+        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                     config.dtype)
         # not with tensor parallelism: its all_reduce between ranks is not captured
         capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1
         graph_buckets = decode_graphs.buckets_up_to(decode_graphs.MAX_BATCH)
@@ -108,39 +149,22 @@ class ModelRunner:
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
-        support = model_support.check_model(model)
-        self.final_logits = support.final_logits
-        # > 0: the control plane frees blocks outside this window; their table entries come as -1
-        self.sliding_window = support.freeable_window
-        self.model_id = config.model
-        self.seqs: dict[int, SeqState] = {}
-        self._prompt_scores: list = []   # the step's prompt log-probs (data_plane/prompt_logprobs.py)
-        self.sample = sampler.sample   # tensor-parallel ranks replace it: rank 0 samples, the others follow
-        compiled = warmup.warm_up(self.layer_caches, mc.num_attention_heads // config.tensor_parallel_size)
-        if compiled is not None:
-            log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
+        return capture, graph_buckets
+
+    def _route(self, config: DataPlaneConfig, wide_codes: dict | None) -> tuple[dict[str, int], str | None]:
+        """The forward and the routes of the linear layers; returns the count of layers by route, and
+        why the lean forward is not used (None when it is)."""
         # a Llama-shaped float32 or bfloat16 CPU model runs the lean forward; its linear layers, and every other
         # model's, are routed: weights that are exactly GGUF codes expanded through the kernel reading
         # the codes, others by row count: few rows through the kernel, more through prepacked GEMM
+        model = self.model
         codes = config.gguf_codes if wide_codes is None else wide_codes
         self.lean, why_not = llama_forward.build(model, codes) if config.lean_forward else (None, "--no-lean-forward")
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model, codes=codes)
         if self.lean:
             for route, count in linear_ops.route_counts(self.lean.linears()).items():
                 routes[route] += count
-        self.graphs = None
-        if config.decode_graphs == "eager" or capture:
-            self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
-                                                     -(-self.max_model_len // self.block_size), graph_buckets,
-                                                     device, capture)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
-                 "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
-                 self.num_blocks, self.block_size, self.num_blocks * block_bytes / 2**20, device,
-                 attention_ops.backend(device, self.dtype),
-                 "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
-                 routes["codes"], routes["kernel"], routes["packed"])
+        return routes, why_not
 
     def handshake(self) -> Handshake:
         eos = self.model.generation_config.eos_token_id
@@ -165,7 +189,9 @@ class ModelRunner:
     def _apply_plan(self, plan: StepPlan) -> list[tuple[int, int]]:
         """Updates the sequence table; returns (seq_id, num_new_tokens) in plan order."""
         for seq_id in plan.forget_seq_ids:
-            self.seqs.pop(seq_id, None)
+            gone = self.seqs.pop(seq_id, None)
+            if gone is not None:
+                self.tables.release(gone.row)
         scheduled = []
         for new in plan.new_seqs:
             self._add(new)
@@ -176,6 +202,7 @@ class ModelRunner:
                 raise PlanError(f"plan continues unknown sequence {cached.seq_id}")
             self._check_blocks(cached.new_block_ids)
             self._check_tokens(cached.seq_id, cached.new_token_ids)
+            self.tables.extend(state.row, len(state.block_ids), cached.new_block_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.token_ids.extend(cached.new_token_ids)
             for index, block in cached.remaps:
@@ -184,6 +211,7 @@ class ModelRunner:
                     raise PlanError(f"sequence {cached.seq_id}: remap of table entry {index} of "
                                     f"{len(state.block_ids)}")
                 state.block_ids[index] = block
+                self.tables.remap(state.row, index, block)
             scheduled.append((cached.seq_id, cached.num_new_tokens))
         return scheduled
 
@@ -195,8 +223,11 @@ class ModelRunner:
     def _add(self, new: NewSequence) -> None:
         self._check_blocks(new.block_ids, table=True)
         self._check_tokens(new.seq_id, new.token_ids)
+        old = self.seqs.get(new.seq_id)
+        if old is not None:   # a sequence sent again whole (recomputed) takes a fresh row
+            self.tables.release(old.row)
         self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                         list(new.block_ids), new.sampling)
+                                         list(new.block_ids), new.sampling, self.tables.add(list(new.block_ids)))
 
     # --- execution ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -215,13 +246,13 @@ class ModelRunner:
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
-        self._prompt_scores = []
-        sampled, num_tokens = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0)
+        sampled, num_tokens, prompt_scores = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0, [])
         t2 = time.perf_counter()
-        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=self._prompt_scores)
+        return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=prompt_scores)
 
     def _prepare(self, scheduled):
-        input_ids, positions, slots, seq_lens, starts, block_rows, sample_rows = [], [], [], [], [0], [], []
+        input_ids, positions, slots, seq_lens, starts, rows, sample_rows = [], [], [], [], [0], [], []
+        max_blocks = 1
         bs = self.block_size
         for seq_id, num_new in scheduled:
             st = self.seqs[seq_id]
@@ -233,7 +264,7 @@ class ModelRunner:
                 raise PlanError(f"sequence {seq_id}: {end} tokens need {-(-end // bs)} blocks, "
                                 f"table has {len(st.block_ids)}")
             table = st.block_ids
-            if FREED_BLOCK_ID in table:
+            if self.sliding_window and FREED_BLOCK_ID in table:   # -1 only comes with a window
                 self._check_freed(seq_id, table, begin)
                 table = [0 if b == FREED_BLOCK_ID else b for b in table]   # never read (see _check_freed)
             input_ids.extend(st.token_ids[begin:end])
@@ -241,13 +272,11 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
-            block_rows.append(table)
+            rows.append(st.row)
+            max_blocks = max(max_blocks, len(table))
             if end == len(st.token_ids):
                 sample_rows.append((seq_id, starts[-1] - 1))
-        max_blocks = max(len(r) for r in block_rows)
-        tables = torch.zeros(len(block_rows), max_blocks, dtype=torch.int32)
-        for i, row in enumerate(block_rows):
-            tables[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        tables = self.tables.gather(rows, max_blocks)
         dev = self.device
         ctx = attention.StepContext(
             kv_pool=self.pool,
@@ -257,10 +286,20 @@ class ModelRunner:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         if not self.triton:   # the CPU kernel's rows, once for every layer of the step
-            ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
+            if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
+                ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,
+                                                           ctx.seq_lens, [])
+            else:
+                ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows
+
+    def _row_ids(self, n: int) -> torch.Tensor:
+        """0 .. n - 1 as int64, sliced from one tensor kept between steps."""
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), dtype=torch.int64, device=self.device)
+        return self._arange[:n]
 
     def _check_freed(self, seq_id: int, table: list[int], begin: int) -> None:
         """Freed entries may only be blocks that no query of this step, from position `begin` on, reads:
@@ -291,26 +330,23 @@ class ModelRunner:
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
         hidden = self._forward(ids, pos, ctx)
         slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
-        if slices:
-            self._prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size)
+        prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size) if slices else []
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:
-            return [], ids.shape[1]
+            return [], ids.shape[1], prompt_scores
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
         logits = self.final_logits(hidden.index_select(0, rows))
         sample_inputs = []
         for seq_id, _ in sample_rows:
             st = self.seqs[seq_id]
             first = len(st.token_ids) == st.num_prompt_tokens
-            sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
-                                                   st.token_ids[st.num_prompt_tokens:],
-                                                   st.sampling.n if first else 1,
-                                                   (masks or {}).get(seq_id)))
+            sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids, st.num_prompt_tokens,
+                                                   st.sampling.n if first else 1, (masks or {}).get(seq_id)))
         result = []
         for (seq_id, _), draws in zip(sample_rows, self.sample(logits, sample_inputs)):
             st = self.seqs[seq_id]
             if not st.sampling.beam_width:   # a beam's next token is chosen by the control plane
                 st.token_ids.append(draws[0].token_id)
             result.extend(SampledToken(seq_id, d.token_id, d.logprob, d.top_logprobs) for d in draws)
-        return result, ids.shape[1]
+        return result, ids.shape[1], prompt_scores

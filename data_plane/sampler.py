@@ -22,10 +22,23 @@ _MASK64 = (1 << 63) - 1
 @dataclass
 class SampleRow:
     spec: SamplingSpec
-    prompt_ids: list[int]     # for the repetition penalty
-    output_ids: list[int]     # tokens generated so far (penalties, min_tokens, seed stream)
+    token_ids: list[int]      # the sequence's tokens: its prompt, then what it generated so far
+    num_prompt_tokens: int
     num_draws: int = 1        # > 1 for the first token of a parallel-sampling request
     token_mask: bytes | None = None   # structured output: a packed bitmask of the allowed tokens
+
+    # sliced only where a penalty or a bad word needs them: most rows never do
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_outputs(self) -> int:   # min_tokens, the seed stream
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -42,18 +55,18 @@ def _token_seed(seed: int, index: int) -> int:
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     spec = row.spec
     if spec.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
+        seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long,
                             device=logits.device)
         if seen.numel():
             picked = logits[seen]
             # as transformers does: shrink positive logits, grow negative ones
             logits[seen] = torch.where(picked > 0, picked / spec.repetition_penalty,
                                        picked * spec.repetition_penalty)
-    if (spec.presence_penalty or spec.frequency_penalty) and row.output_ids:
+    if (spec.presence_penalty or spec.frequency_penalty) and row.num_outputs:
         ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
         counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= spec.frequency_penalty * counts + spec.presence_penalty * (counts > 0).to(logits.dtype)
-    if len(row.output_ids) < spec.min_tokens and spec.stop_token_ids:
+    if row.num_outputs < spec.min_tokens and spec.stop_token_ids:
         banned = [t for t in spec.stop_token_ids if 0 <= t < logits.shape[0]]
         logits[banned] = float("-inf")
     if spec.adjusts_logits:
@@ -75,7 +88,7 @@ def apply_logit_adjustments(logits: torch.Tensor, row: SampleRow) -> torch.Tenso
     for word in spec.bad_words_ids:
         # the word's last token is banned only where the output already ends with the rest of it
         head = list(word[:-1])
-        if not head or row.output_ids[-len(head):] == head:
+        if not head or (row.num_outputs >= len(head) and row.token_ids[-len(head):] == head):
             logits[word[-1]] = float("-inf")
     return logits
 
@@ -142,7 +155,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutpu
     """logits: [rows, vocab] in any float dtype; one SampleRow per logits row; per row, its draws."""
     logits = logits.float()
     needs_processing = [r.spec.repetition_penalty != 1.0 or r.spec.presence_penalty or r.spec.frequency_penalty
-                        or len(r.output_ids) < r.spec.min_tokens or r.spec.adjusts_logits for r in rows]
+                        or r.num_outputs < r.spec.min_tokens or r.spec.adjusts_logits for r in rows]
     apply_token_masks(logits, rows)
     for i, row in enumerate(rows):
         if needs_processing[i]:
@@ -156,7 +169,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutpu
             tokens, logprobs = [greedy[i]] * row.num_draws, [greedy_logprob[i]] * row.num_draws
         else:
             probs = _filter(logits[i], spec).softmax(-1)
-            tokens = [_draw(probs, draw_seed(spec.seed, j), len(row.output_ids)) for j in range(row.num_draws)]
+            tokens = [_draw(probs, draw_seed(spec.seed, j), row.num_outputs) for j in range(row.num_draws)]
             logprobs = (logits[i, tokens] - lse[i]).tolist()
         top: list[tuple[int, float]] = []
         if spec.logprobs > 0:

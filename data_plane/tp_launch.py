@@ -139,8 +139,8 @@ def _serve(config: DataPlaneConfig, rank: int, world: int, local_rank: int) -> i
     num_split = TP.shard_model(model, comm)
     model = model.to(device)
     log.info("rank %d: split %d linear layers; loading done", rank, num_split)
-    runner = ModelRunner(model, config, device)
-    runner.sample = TP.follow_sampling(comm)
+    # rank 0 samples and the others follow its tokens
+    runner = ModelRunner(model, config, device, sample=TP.follow_sampling(comm))
     _agree_on_pool_sizes(runner, comm)
     if rank != 0:
         return tp_worker.follow(runner, comm)

@@ -86,7 +86,10 @@ class Worker:
     def _hello(self, peer: bytes, hello: P.Hello) -> None:
         if self.owner is not None and peer != self.owner:
             if hello.token is not None and hello.token == self.owner_token:
-                log.info("the owning control plane reconnected")
+                # it says HELLO again only after it declared this data plane gone (hung, cut off):
+                # it has moved or re-queued every sequence, and sends the ones it keeps here anew
+                log.info("the owning control plane reconnected; its sequences here are forgotten")
+                self._forget_sequences()
             elif self._owner_link_up():
                 if self._once(peer, "refused"):
                     log.warning("refused a second control plane: this data plane serves the one connected "
@@ -105,10 +108,13 @@ class Worker:
 
     def _new_owner(self, peer: bytes) -> None:
         self.owner, self.owner_token, self.owner_since = peer, secrets.token_hex(16), time.time()
+        self._forget_sequences()   # the previous owner's: the new one numbers its own from scratch
+        log.info("a control plane owns this data plane now")
+
+    def _forget_sequences(self) -> None:
         seqs = getattr(self.runner, "seqs", None)
         if isinstance(seqs, dict):
-            seqs.clear()   # the previous owner's sequences: the new one numbers its own from scratch
-        log.info("a control plane owns this data plane now")
+            seqs.clear()
 
     def _handshake(self) -> P.Handshake:
         hs = self.runner.handshake()

@@ -94,23 +94,29 @@ class RoutedLinear:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])
-        if x.dtype == torch.bfloat16:
-            if self.codes is not None and (rows <= BF16_CODES_MAX_ROWS or self.packed is None):
-                out = self.codes.linear(self.kernel, flat.contiguous())
-            elif self.packed is not None:
-                out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-            else:
-                out = F.linear(flat, self.weight, self.bias)
-        elif self.codes is not None:
-            out = self.codes.linear(self.kernel, flat.contiguous())
-        elif self.kernel is not None and rows <= self.skinny_max_rows:
-            out = self.kernel.skinny_linear(flat.contiguous(), self.weight)
-        elif self.packed is not None:
-            out = _packed_gemm(flat, self.packed, self.weight, self.bias, rows)
-        else:
-            out = F.linear(flat, self.weight, self.bias)
+        out = self.route(rows)(x.reshape(rows, x.shape[-1]).contiguous())
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def route(self, rows: int):
+        """The function that computes y [rows, N] from a contiguous x [rows, K] of the weight's type
+        (gradients off) for this row count: the same route as a call, chosen once so that a forward
+        calling every layer with the same rows skips the choice (llama_forward.py)."""
+        weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
+        if weight.dtype == torch.bfloat16:
+            if codes is not None and (rows <= BF16_CODES_MAX_ROWS or self.packed is None):
+                return lambda x: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
+            if self.packed is not None:
+                packed = self.packed
+                return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return lambda x: F.linear(x, weight, bias)
+        if codes is not None:
+            return lambda x: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
+        if kernel is not None and rows <= self.skinny_max_rows:
+            return lambda x: kernel.skinny_linear(x, weight)
+        if self.packed is not None:
+            packed = self.packed
+            return lambda x: _packed_gemm(x, packed, weight, bias, x.shape[0])
+        return lambda x: F.linear(x, weight, bias)
 
 
 ROUTED_DTYPES = (torch.float32, torch.bfloat16)

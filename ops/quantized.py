@@ -10,9 +10,9 @@ The model is then served in float32, but its weights carry 5 or 8.5 bits of info
 layer whose values have that form, and row permutations such as transformers' Q/K reordering do not
 matter) and keeps them only if they give back every weight bit for bit. The kernel
 (kernels/cpu/coded_linear.cpp) then reads the codes instead of the float32 weights: a step of a few
-rows is bound by reading the weights from memory, and these are 5.3 (Q4_1) and 3.6 (Q8_0) times
-smaller (the kernel keeps scales and minimums in float32: 6 and 9 bits a weight). The
-products are float32 arithmetic on the same float32 weights.
+rows is bound by reading the weights from memory, and these are 6.4 (Q4_1) and 3.8 (Q8_0) times
+smaller (5 and 8.5 bits a weight: the scales and minimums stay float16, as in the file, since every one
+found is a float16 value). The products are float32 arithmetic on the same float32 weights.
 
 How the codes are found, per block of 32. llama.cpp's quantizers store
 - Q4_1: min = the block's minimum and scale = (max - min) / 15, both rounded to float16, so code 0
@@ -37,8 +37,8 @@ class Codes:
     """The packed codes of one [N, K] weight, in the layout kernels/cpu/coded_linear.cpp reads."""
     kind: str                    # "q4_1" or "q8_0"
     codes: torch.Tensor          # q4_1: uint8 [N / 16, K / 2, 16]; q8_0: int8 [N / 16, K, 16]
-    scales: torch.Tensor         # float32 [N / 16, K / 32, 16]
-    mins: torch.Tensor | None    # q4_1: float32 [N / 16, K / 32, 16]; q8_0: None
+    scales: torch.Tensor         # float16 [N / 16, K / 32, 16]
+    mins: torch.Tensor | None    # q4_1: float16 [N / 16, K / 32, 16]; q8_0: None
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +151,7 @@ def _find_q8_0(blocks: torch.Tensor) -> Codes | None:
 
 
 def _by_group(t: torch.Tensor) -> torch.Tensor:
-    """[N, K / 32, 1] per-block values into the kernel's [N / 16, K / 32, 16]."""
+    """[N, K / 32, 1] per-block float32 values, each a float16 value (the search's candidates, Q4_1's
+    checked minimum), into the kernel's float16 [N / 16, K / 32, 16]: the conversion is exact."""
     n, nb = t.shape[:2]
-    return t.reshape(n // GROUP, GROUP, nb).transpose(1, 2).contiguous()
+    return t.reshape(n // GROUP, GROUP, nb).transpose(1, 2).half().contiguous()

@@ -134,7 +134,8 @@ class SplitServer(Server):
             return f.read()
 
     def stop(self) -> None:
-        super().stop()    # the control plane tells the data plane to shut down
+        super().stop()    # the control plane leaves a data plane it did not spawn running: stop it here
+        self.dp_proc.terminate()
         try:
             self.dp_proc.wait(timeout=20)
         except subprocess.TimeoutExpired:

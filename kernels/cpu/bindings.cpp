@@ -11,6 +11,8 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
 at::Tensor skinny_linear(at::Tensor x, at::Tensor w);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
 std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
+                        at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 at::Tensor silu_mul(at::Tensor gate_up);
 std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
 at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
@@ -36,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x [M, K] . w[N, K]^T for a few rows M (float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place, x optional), then RMSNorm(residual) * w (float32)");
   m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");
+  m.def("rotary_store", &rotary_store, "q of qkv [T, (H + 2Hk) D] rotated into [T, H, D]; k rotated and v stored in the caches at slots (float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
   m.def("greedy_logsumexp", &greedy_logsumexp, "per row of logits [R, V]: max, its first index, log-sum-exp (float32)");
   m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32 or bfloat16)");

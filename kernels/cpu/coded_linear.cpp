@@ -4,12 +4,13 @@
 //   Q8_0: W[n, k] = scale * code, code in -128..127, rounded after the product;
 // which is how transformers expands them to float32. ops/quantized.py finds the codes of a model's
 // float32 weights and checks that they give back every weight bit for bit; this kernel then reads
-// 6 (Q4_1) or 9 (Q8_0) bits per weight instead of 32 (scales and minimums are kept in float32).
+// 5 (Q4_1) or 8.5 (Q8_0) bits per weight instead of 32: the codes and, as in the file, float16 scales
+// and minimums (each exactly a float16 value: ops/quantized.py finds them among float16 candidates).
 //
 // Layout (ops/quantized.py packs it): output rows in groups of 16. Q4_1: for group g and the input
 // pair (2j, 2j+1), 16 bytes: byte l holds the code of (row 16g + l, input 2j) in its low nibble and
 // that of input 2j + 1 in its high nibble. Q8_0: for group g and input k, 16 signed bytes, one per
-// row. Scales (and minimums): for group g and block b of 32 inputs, 16 floats, one per row.
+// row. Scales (and minimums): for group g and block b of 32 inputs, 16 float16 values, one per row.
 //
 // A thread takes a panel of up to 48 output rows, expands its weights to float32 once into a buffer
 // laid out input by input (48 floats per input), then runs every 8-row tile of x over the buffer with
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -43,10 +45,32 @@ constexpr int64_t kBlock = 32;                 // inputs per scale and minimum
 
 struct Weights {
   const void* codes;      // Q4_1: uint8 [groups, K / 2, 16]; Q8_0: int8 [groups, K, 16]
-  const float* scales;    // [groups, K / 32, 16]
-  const float* mins;      // [groups, K / 32, 16]; null for Q8_0
+  const at::Half* scales; // [groups, K / 32, 16]
+  const at::Half* mins;   // [groups, K / 32, 16]; null for Q8_0
   int64_t K;
 };
+
+#ifdef PAGEDSERVE_AVX512
+// sixteen float16 scales (or minimums) as float32: exact
+inline __m512 load_half16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// sixteen expanded weights rounded to T (rounded16's values): with AVX512-BF16, by the conversion
+// instruction and back. It treats a subnormal float32 as zero where rounded16 would round it, but no
+// weight is subnormal: Q8_0's scale * code is 0 or at least 2^-24 in magnitude (a float16 scale
+// times an integer), and Q4_1's scale * code + min, a sum of two such float32 values, is 0 or a
+// multiple of a float32 ulp at 2^-24, at least 2^-47.
+template <typename T> inline __m512 weight16(__m512 v) { return pagedserve::rounded16<T>(v); }
+#if defined(__AVX512BF16__)
+template <> inline __m512 weight16<pagedserve::bf16>(__m512 v) {
+  const __m256bh narrow = _mm512_cvtneps_pbh(v);
+  __m256i bits;
+  std::memcpy(&bits, &narrow, 32);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+#endif
 
 // the buffer of one thread: 48 floats per input, 64-byte aligned
 float* panel_buffer(int64_t K) {
@@ -68,18 +92,18 @@ void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
   const int64_t K = w.K, pairs = K / 2, blocks = K / kBlock;
   for (int64_t v = 0; v < groups; ++v) {
     const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + (g0 + v) * pairs * kGroup;
-    const float* scales = w.scales + (g0 + v) * blocks * kGroup;
-    const float* mins = w.mins + (g0 + v) * blocks * kGroup;
+    const at::Half* scales = w.scales + (g0 + v) * blocks * kGroup;
+    const at::Half* mins = w.mins + (g0 + v) * blocks * kGroup;
     float* out = buf + v * kGroup;
 #ifdef PAGEDSERVE_AVX512
     for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = _mm512_loadu_ps(scales + b * kGroup), m = _mm512_loadu_ps(mins + b * kGroup);
+      const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4));
-        _mm512_store_ps(out + (2 * j) * kPanel, pagedserve::rounded16<T>(_mm512_add_ps(_mm512_mul_ps(lo, d), m)));
-        _mm512_store_ps(out + (2 * j + 1) * kPanel, pagedserve::rounded16<T>(_mm512_add_ps(_mm512_mul_ps(hi, d), m)));
+        _mm512_store_ps(out + (2 * j) * kPanel, weight16<T>(_mm512_add_ps(_mm512_mul_ps(lo, d), m)));
+        _mm512_store_ps(out + (2 * j + 1) * kPanel, weight16<T>(_mm512_add_ps(_mm512_mul_ps(hi, d), m)));
       }
     }
 #else
@@ -87,7 +111,7 @@ void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
       const int64_t b = 2 * j / kBlock;
       for (int64_t l = 0; l < kGroup; ++l) {
         const uint8_t c = codes[j * kGroup + l];
-        const float d = scales[b * kGroup + l], m = mins[b * kGroup + l];
+        const float d = static_cast<float>(scales[b * kGroup + l]), m = static_cast<float>(mins[b * kGroup + l]);
         const float lo = static_cast<float>(c & 15) * d, hi = static_cast<float>(c >> 4) * d;
         out[(2 * j) * kPanel + l] = rounded<T>(lo + m);
         out[(2 * j + 1) * kPanel + l] = rounded<T>(hi + m);
@@ -102,19 +126,19 @@ void expand_q8(const Weights& w, int64_t g0, int64_t groups, float* buf) {
   const int64_t K = w.K, blocks = K / kBlock;
   for (int64_t v = 0; v < groups; ++v) {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + (g0 + v) * K * kGroup;
-    const float* scales = w.scales + (g0 + v) * blocks * kGroup;
+    const at::Half* scales = w.scales + (g0 + v) * blocks * kGroup;
     float* out = buf + v * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
 #ifdef PAGEDSERVE_AVX512
-      const __m512 d = _mm512_loadu_ps(scales + b * kGroup);
+      const __m512 d = load_half16(scales + b * kGroup);
       for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
         const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kGroup)));
-        _mm512_store_ps(out + k * kPanel, pagedserve::rounded16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d)));
+        _mm512_store_ps(out + k * kPanel, weight16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d)));
       }
 #else
       for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
         for (int64_t l = 0; l < kGroup; ++l)
-          out[k * kPanel + l] = rounded<T>(static_cast<float>(codes[k * kGroup + l]) * scales[b * kGroup + l]);
+          out[k * kPanel + l] = rounded<T>(static_cast<float>(codes[k * kGroup + l]) * static_cast<float>(scales[b * kGroup + l]));
 #endif
     }
   }
@@ -129,11 +153,11 @@ void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
 #ifdef PAGEDSERVE_AVX512
 // y[m0 .. m0 + R, n0 .. n0 + 16 V] from the expanded panel
 template <int R, int V, typename T>
-void tile(const T* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+void tile(const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   __m512 acc[R][V];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
-  const T* xr = x + m0 * K;
+  const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[V];
     for (int v = 0; v < V; ++v) w[v] = _mm512_load_ps(buf + k * kPanel + v * kGroup);
@@ -147,7 +171,7 @@ void tile(const T* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K,
 }
 
 template <int V, typename T>
-void tile_rows(int64_t rows, const T* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+void tile_rows(int64_t rows, const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   switch (rows) {
     case 1: tile<1, V, T>(x, buf, y, m0, n0, K, N); break;
     case 2: tile<2, V, T>(x, buf, y, m0, n0, K, N); break;
@@ -163,7 +187,7 @@ void tile_rows(int64_t rows, const T* x, const float* buf, T* y, int64_t m0, int
 
 // every row of x against the panel's `groups` groups, expanded in buf
 template <typename T>
-void panel_product(const T* x, const float* buf, T* y, int64_t M, int64_t n0, int64_t groups, int64_t K,
+void panel_product(const float* x, const float* buf, T* y, int64_t M, int64_t n0, int64_t groups, int64_t K,
                    int64_t N) {
 #ifdef PAGEDSERVE_AVX512
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
@@ -193,9 +217,9 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
   std::vector<at::Tensor> floats{scales};
   if (q4) floats.push_back(*mins);
   for (const auto& t : floats)
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 3 && t.size(0) == codes.size(0) &&
-                t.size(1) == K / kBlock && t.size(2) == kGroup, "coded_linear: scales, mins [N / 16, K / 32, 16] float32");
-  return Weights{codes.data_ptr(), scales.data_ptr<float>(), q4 ? mins->data_ptr<float>() : nullptr, K};
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == codes.size(0) &&
+                t.size(1) == K / kBlock && t.size(2) == kGroup, "coded_linear: scales, mins [N / 16, K / 32, 16] float16");
+  return Weights{codes.data_ptr(), scales.data_ptr<at::Half>(), q4 ? mins->data_ptr<at::Half>() : nullptr, K};
 }
 
 #ifdef PAGEDSERVE_AVX512
@@ -205,21 +229,21 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 constexpr int64_t kDirectRows = 4;
 
 template <typename T, int M>
-void direct_group(const Weights& w, int64_t g, const T* x, T* y, int64_t N) {
+void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) {
   const int64_t K = w.K, blocks = K / kBlock;
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-  const float* scales = w.scales + g * blocks * kGroup;
+  const at::Half* scales = w.scales + g * blocks * kGroup;
   if (w.mins != nullptr) {
     const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
-    const float* mins = w.mins + g * blocks * kGroup;
+    const at::Half* mins = w.mins + g * blocks * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = _mm512_loadu_ps(scales + b * kGroup), m = _mm512_loadu_ps(mins + b * kGroup);
+      const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
-        const __m512 lo = pagedserve::rounded16<T>(
+        const __m512 lo = weight16<T>(
             _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d), m));
-        const __m512 hi = pagedserve::rounded16<T>(
+        const __m512 hi = weight16<T>(
             _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d), m));
         for (int r = 0; r < M; ++r) {
           acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j])), lo, acc[r]);
@@ -230,10 +254,10 @@ void direct_group(const Weights& w, int64_t g, const T* x, T* y, int64_t N) {
   } else {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = _mm512_loadu_ps(scales + b * kGroup);
+      const __m512 d = load_half16(scales + b * kGroup);
       for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
         const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kGroup)));
-        const __m512 wv = pagedserve::rounded16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
+        const __m512 wv = weight16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
         for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + k])), wv, acc[r]);
       }
     }
@@ -243,7 +267,7 @@ void direct_group(const Weights& w, int64_t g, const T* x, T* y, int64_t N) {
 #endif
 
 template <typename T>
-void coded_rows(const Weights& w, const T* xp, T* yp, int64_t M, int64_t groups) {
+void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t groups) {
   const int64_t K = w.K, N = groups * kGroup;
 #ifdef PAGEDSERVE_AVX512
   if (M >= 1 && M <= kDirectRows) {
@@ -279,9 +303,13 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0);
   const Weights w = coded_weights(codes, scales, mins, K);
   auto y = at::empty({M, groups * kGroup}, x.options());
-  if (x.scalar_type() == at::kFloat) coded_rows(w, x.data_ptr<float>(), y.data_ptr<float>(), M, groups);
-  else coded_rows(w, reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()), M, groups);
+  if (x.scalar_type() == at::kFloat) {
+    coded_rows(w, x.data_ptr<float>(), y.data_ptr<float>(), M, groups);
+  } else {
+    // x widened to float32 once (exact), not at each of its uses by every group of outputs
+    const auto wide = x.to(at::kFloat);
+    coded_rows(w, wide.data_ptr<float>(), reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()), M, groups);
+  }
   return y;
 }
 
@@ -289,7 +317,7 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
 at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
   const int64_t groups = codes.size(0), K = mins.has_value() ? codes.size(1) * 2 : codes.size(1);
   const Weights w = coded_weights(codes, scales, mins, K);
-  auto out = at::empty({groups * kGroup, K}, scales.options());
+  auto out = at::empty({groups * kGroup, K}, scales.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     float* buf = panel_buffer(K);

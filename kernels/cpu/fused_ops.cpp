@@ -96,33 +96,36 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Te
 
 namespace {
 
-// x * cos + rotate_half(x) * sin for every head of every token; each product and the sum rounded to T
+// x * cos + rotate_half(x) * sin for `heads` heads of one token (in: heads packed, out likewise);
+// each product and the sum rounded to T
+template <typename T>
+void rotate_heads(const T* in, T* out, int64_t heads, int64_t d, const T* c, const T* s) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* x = in + h * d;
+    T* y = out + h * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = rounded<T>(to_float(x[i]) * to_float(c[i]));
+      const float b = rounded<T>((-to_float(x[i + half])) * to_float(s[i]));
+      y[i] = from_float<T>(a + b);
+    }
+    for (int64_t i = half; i < d; ++i) {
+      const float a = rounded<T>(to_float(x[i]) * to_float(c[i]));
+      const float b = rounded<T>(to_float(x[i - half]) * to_float(s[i]));
+      y[i] = from_float<T>(a + b);
+    }
+  }
+}
+
 template <typename T>
 void rotary_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                  at::Tensor& qo, at::Tensor& ko) {
-  const int64_t tokens = q.size(0), d = q.size(2), half = d / 2;
+  const int64_t tokens = q.size(0), d = q.size(2);
   const T* cp = data<T>(cos);
   const T* sp = data<T>(sin);
   auto one = [&](const at::Tensor& src, at::Tensor& dst, int64_t t) {
-    const T* c = cp + t * d;
-    const T* s = sp + t * d;
     const int64_t heads = src.size(1);
-    const T* in = data<T>(src) + t * src.stride(0);
-    T* out = data<T>(dst) + t * heads * d;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* x = in + h * d;
-      T* y = out + h * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = rounded<T>(to_float(x[i]) * to_float(c[i]));
-        const float b = rounded<T>((-to_float(x[i + half])) * to_float(s[i]));
-        y[i] = from_float<T>(a + b);
-      }
-      for (int64_t i = half; i < d; ++i) {
-        const float a = rounded<T>(to_float(x[i]) * to_float(c[i]));
-        const float b = rounded<T>(to_float(x[i - half]) * to_float(s[i]));
-        y[i] = from_float<T>(a + b);
-      }
-    }
+    rotate_heads<T>(data<T>(src) + t * src.stride(0), data<T>(dst) + t * heads * d, heads, d, cp + t * d, sp + t * d);
   };
   at::parallel_for(0, tokens, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -152,6 +155,55 @@ std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::T
   if (dtype == at::kFloat) rotary_rows<float>(q, k, cos, sin, qo, ko);
   else rotary_rows<bf16>(q, k, cos, sin, qo, ko);
   return {qo, ko};
+}
+
+// One attention layer's rows of qkv [T, (H + 2 Hk) D] (any row stride; q, k, v packed in a row, as the
+// stacked product writes them): q rotated into a new contiguous [T, H, D], which is returned; k rotated
+// and v copied straight into the caches [blocks, block_size, Hk, D] at slots[t] (-1: skipped). The
+// same arithmetic as rotary and the same bytes as write_kv, in one call instead of the slicing, the
+// two calls and the temporary k between them.
+at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
+                        at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK(float_or_bf16(qkv) && qkv.dim() == 2 && qkv.stride(1) == 1, "rotary_store: qkv [tokens, width] float32 or bfloat16");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == kv_heads, "rotary_store: caches contiguous [blocks, block_size, kv_heads, dim] of qkv's type");
+  const int64_t tokens = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && d % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "rotary_store: qkv's width is not (heads + 2 kv_heads) * dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+              cos.dim() == 2 && cos.size(0) == tokens && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "rotary_store: cos and sin must be contiguous [tokens, dim] of qkv's type");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens,
+              "rotary_store: one int64 slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), width = kv_heads * d;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= -1 && sp[t] < num_slots, "rotary_store: slot ", sp[t], " out of range");
+  auto q = at::empty({tokens, heads, d}, qkv.options());
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = data<T>(qkv);
+    const T* cp = data<T>(cos);
+    const T* snp = data<T>(sin);
+    T* qp = data<T>(q);
+    T* kc = data<T>(k_cache);
+    T* vc = data<T>(v_cache);
+    const int64_t stride = qkv.stride(0);
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* row = src + t * stride;
+        rotate_heads<T>(row, qp + t * heads * d, heads, d, cp + t * d, snp + t * d);
+        if (sp[t] < 0) continue;
+        rotate_heads<T>(row + heads * d, kc + sp[t] * width, kv_heads, d, cp + t * d, snp + t * d);
+        std::memcpy(vc + sp[t] * width, row + (heads + kv_heads) * d, sizeof(T) * width);
+      }
+    });
+  };
+  if (dtype == at::kFloat) run(float{});
+  else run(bf16{});
+  return q;
 }
 
 // gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up, [T, I]: gate / (1 + e^-gate) * up, as torch

@@ -72,10 +72,10 @@ def test_chat_logprobs_have_bytes_and_agree_with_their_top_entry(client, smol_to
 def test_sampler_adjustments_alone():
     logits = torch.zeros(2, 10)
     logits[:, 3] = 5.0
-    rows = [SampleRow(SamplingSpec(temperature=0.0, logit_bias=[(7, 10.0)], logprobs=2), [1], []),
-            SampleRow(SamplingSpec(temperature=0.0, allowed_token_ids=[1, 2], bad_words_ids=[[4, 2]]), [1], [4])]
+    rows = [SampleRow(SamplingSpec(temperature=0.0, logit_bias=[(7, 10.0)], logprobs=2), [1], 1),
+            SampleRow(SamplingSpec(temperature=0.0, allowed_token_ids=[1, 2], bad_words_ids=[[4, 2]]), [1, 4], 1)]
     out = sample(logits.clone(), rows)
     assert out[0][0].token_id == 7 and out[0][0].logprob == out[0][0].top_logprobs[0][1]
     assert out[1][0].token_id == 1    # 2 is banned after 4 (the bad word "4 2"), 3 is not allowed
     mask = bytes([0b00100000, 0])     # token 5 only
-    assert sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=3), [1], [], 1, mask)])[0][0].token_id == 5
+    assert sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=3), [1], 1, 1, mask)])[0][0].token_id == 5

@@ -33,7 +33,8 @@ def test_codes_give_back_every_weight_bit_for_bit(kernel, kind):
     assert codes is not None and codes.kind == kind
     assert codes.codes.shape == ((5, 48, 16) if kind == "q4_1" else (5, 96, 16))
     assert codes.scales.shape == (5, 3, 16)
-    assert codes.nbytes * (3.5 if kind == "q8_0" else 5.3) < weight.numel() * 4   # float32 scales: 6 and 9 bits a weight
+    assert codes.nbytes * (3.7 if kind == "q8_0" else 6.3) < weight.numel() * 4   # float16 scales: 5 and 8.5 bits a weight
+    assert codes.scales.dtype == torch.float16 and (codes.mins is None or codes.mins.dtype == torch.float16)
     expanded = kernel.coded_expand(codes.codes, codes.scales, codes.mins)
     assert torch.equal(_bits(expanded), _bits(weight))
 
@@ -103,6 +104,8 @@ def test_kernel_refuses_what_does_not_fit(kernel):
         kernel.coded_linear(torch.randn(2, 64), q8.codes, q8.scales, q8.scales)
     with pytest.raises(RuntimeError, match="Q8_0 codes"):     # Q4_1 codes without one
         kernel.coded_linear(torch.randn(2, 64), q4.codes, q4.scales, None)
+    with pytest.raises(RuntimeError, match=r"\[N / 16, K / 32, 16\] float16"):   # scales of another type
+        kernel.coded_linear(torch.randn(2, 64), q4.codes, q4.scales.float(), q4.mins.float())
 
 
 def test_routed_linear_reads_codes_at_every_row_count_and_packs_nothing(kernel, monkeypatch):

@@ -336,3 +336,30 @@ def test_write_kv_kernel_stores_rows_at_their_slots_and_skips_padding(kernel):
     assert caches[0].abs().sum() > 0
     with pytest.raises(RuntimeError, match="slot 16 out of range"):
         kernel.write_kv(k, v, caches[0], caches[1], torch.tensor([7, -1, 0, 16, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_is_rotary_then_write_kv_bit_for_bit(kernel, dtype):
+    """The lean forward's one call per layer gives q as `rotary` does and the caches as `rotary` then
+    `write_kv` do, on a qkv row stride wider than its heads (the stacked product's output sliced)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, tokens = 3, 1, 8, 6
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width + 4, generator=gen).to(dtype)[:, :width]
+    cos, sin = torch.randn(tokens, dim, generator=gen).to(dtype), torch.randn(tokens, dim, generator=gen).to(dtype)
+    slots = torch.tensor([7, -1, 0, 12, 3, 15])
+    q_want, k_want = kernel.rotary(qkv[:, :heads * dim].view(tokens, heads, dim),
+                                   qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    caches = [torch.zeros(4, 4, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    kernel.write_kv(k_want, v, caches[0], caches[1], slots)
+    q = kernel.rotary_store(qkv, heads, kv_heads, cos, sin, caches[2], caches[3], slots)
+    assert q.shape == (tokens, heads, dim) and q.is_contiguous()
+    assert torch.equal(q.view(torch.int16) if dtype == torch.bfloat16 else q,
+                       q_want.view(torch.int16) if dtype == torch.bfloat16 else q_want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2].abs().sum() > 0 and caches[3].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="slot 16 out of range"):
+        kernel.rotary_store(qkv, heads, kv_heads, cos, sin, caches[2], caches[3], torch.tensor([7, -1, 0, 16, 3, 1]))
+    with pytest.raises(RuntimeError, match="width"):
+        kernel.rotary_store(qkv, heads + 1, kv_heads, cos, sin, caches[2], caches[3], slots)

@@ -14,7 +14,7 @@ def sample_one(logits, rows):
 def row(**kw) -> SampleRow:
     prompt = kw.pop("prompt", [1, 2, 3])
     output = kw.pop("output", [])
-    return SampleRow(SamplingSpec(**kw), prompt, output)
+    return SampleRow(SamplingSpec(**kw), prompt + output, len(prompt))
 
 
 def test_greedy_picks_argmax_and_reports_its_logprob():
@@ -77,8 +77,8 @@ def test_penalties():
 def test_parallel_draws_use_one_seed_stream_per_sample():
     torch.manual_seed(1)
     logits = torch.randn(1, 50)
-    first = sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=5), [1], [], num_draws=4)])[0]
-    again = sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=5), [1], [], num_draws=4)])[0]
+    first = sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=5), [1], 1, num_draws=4)])[0]
+    again = sample(logits.clone(), [SampleRow(SamplingSpec(temperature=1.0, seed=5), [1], 1, num_draws=4)])[0]
     assert [o.token_id for o in first] == [o.token_id for o in again]
     # draw 0 is what the request alone would draw; draw j what a request seeded with draw_seed(5, j) draws
     from shared.protocol import draw_seed
