@@ -116,7 +116,7 @@ class ModelRunner:
         # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)
         self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
             // config.tensor_parallel_size
-        self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.head_dim = model_support.head_dim(mc)
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
         self.max_model_len = min(model_max, config.max_model_len or model_max)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]

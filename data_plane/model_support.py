@@ -5,12 +5,12 @@ A model is served only if everything it does in attention is something our ops d
 would be served wrong without a warning, so `check_model` refuses it with `UnsupportedModel`, naming the
 architecture and the reason. Two sources of truth:
 
-- the config, for features no op implements (ALiBi, multi-head latent attention, chunked or
-  bidirectional attention, layer kinds other than full and sliding-window attention);
+- the config, for features no op implements (ALiBi, multi-head latent attention, bidirectional
+  attention, layer kinds other than full, sliding-window and chunked attention);
 - one probe forward pass at start, with attention recorded instead of computed: every decoder layer
   must call the interface exactly once, with K and V of the pool's head size, with the window the
-  config declares, and with no argument we do not implement (attention sinks, for example). A model
-  that computes attention in its own code (BLOOM) makes no call and is refused.
+  config declares, with attention sinks (if any) of one logit per query head, and with no argument we
+  do not implement. A model that computes attention in its own code (BLOOM) makes no call and is refused.
 
 The same probe picks how logits are computed from the sampled rows' hidden states (`final_logits`).
 """
@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from data_plane import attention
+from data_plane import attention, own_attention
 from shared.config import ConfigError
 
 log = logging.getLogger("pagedserve.data_plane")
 
 # layer kinds of config.layer_types that our ops compute
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# layer kinds that keep a per-sequence state instead of (or beside) a KV cache: Mamba and Mamba2 SSMs,
+# gated delta-net linear attention (Qwen3-Next), short convolutions (LFM2), attention beside an SSM (Falcon-H1)
+STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
@@ -46,19 +49,24 @@ class UnsupportedModel(ConfigError):
 
 @dataclass
 class Support:
-    """What the probe found: per-layer windows and soft-cap, and the logits function to use."""
+    """What the probe found: per-layer windows, chunks and soft-cap, and the logits function to use."""
     layer_windows: list[int | None]
     softcaps: list[float | None]
     final_logits: Callable[[torch.Tensor], torch.Tensor]
     logits_path: str   # "output embeddings" or "the model's own head"
+    layer_chunks: list[int | None] = field(default_factory=list)
 
     @property
     def freeable_window(self) -> int:
-        """The widest window when every layer has one (Mistral), else 0 (Gemma 2/3 have global layers):
-        a block wholly before that many positions of a sequence's next query is read by no layer again."""
-        if not self.layer_windows or any(w is None for w in self.layer_windows):
+        """The widest reach when every layer's is bounded (Mistral), else 0 (Gemma 2/3 and Llama 4 have
+        global layers): a block wholly before that many positions of a sequence's next query is read by
+        no layer again. A layer's reach is its window, or its chunk C: a query at p reads from the start
+        of its chunk, which is after p - C."""
+        chunks = self.layer_chunks or [None] * len(self.layer_windows)
+        reach = [w or c for w, c in zip(self.layer_windows, chunks)]
+        if not reach or any(r is None for r in reach):
             return 0
-        return max(self.layer_windows)
+        return max(reach)
 
 
 def architecture(config, model=None) -> str:
@@ -70,7 +78,11 @@ def architecture(config, model=None) -> str:
 
 
 def head_dim(config) -> int:
-    """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same)."""
+    """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same): with
+    multi-head latent attention (DeepSeek-V2/V3) the K head size, query and key, nope and rotary parts
+    together; V heads are narrower and are stored padded to it (data_plane/attention.py)."""
+    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_head_dim", None):
+        return config.qk_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -89,19 +101,28 @@ def config_reasons(config) -> list[str]:
     """Features of the config that no pagedserve op implements."""
     reasons = []
     attn_config = getattr(config, "attn_config", None)
-    if config.model_type == "bloom" or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
-        reasons.append("ALiBi position bias is not implemented")
-    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
-        reasons.append("multi-head latent attention (kv_lora_rank) is not implemented")
+    alibi = config.model_type == "bloom" or getattr(config, "alibi", False) or getattr(attn_config, "alibi", False)
+    if alibi and config.model_type == "falcon":
+        reasons.append("Falcon's ALiBi is not served: transformers' eager attention adds the bias twice, its "
+                       "SDPA attention once, so there is no one result to be identical to")
+    elif alibi and config.model_type not in own_attention.ALIBI_MODEL_TYPES:
+        reasons.append(f"ALiBi position bias is served for {sorted(own_attention.ALIBI_MODEL_TYPES)} only, "
+                       f"not {config.model_type}")
+    if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
+        reasons.append("slow_but_exact with pretraining_tp > 1 splits the output projection in a way "
+                       "pagedserve does not reproduce")
     v_dim, qk_dim = getattr(config, "v_head_dim", None), getattr(config, "qk_head_dim", None)
-    if v_dim and qk_dim and v_dim != qk_dim:
-        reasons.append(f"K head size {qk_dim} differs from V head size {v_dim}; the KV pool has one head size")
+    if v_dim and qk_dim and v_dim > qk_dim:
+        reasons.append(f"V head size {v_dim} is wider than K head size {qk_dim}; the KV pool holds V heads "
+                       "no wider than K heads")
     types = getattr(config, "layer_types", None) or []
-    unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES)
+    state = sorted(set(types) & STATE_LAYER_TYPES)
+    if state:
+        reasons.append(f"its layers of kinds {state} keep a per-sequence state (SSM, linear attention or "
+                       "convolution), which needs a state pool pagedserve does not have yet")
+    unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES - STATE_LAYER_TYPES)
     if unknown:
         reasons.append(f"layer kinds {unknown} are not implemented (only {sorted(SUPPORTED_LAYER_TYPES)})")
-    if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in unknown:
-        reasons.append("chunked local attention (attention_chunk_size) is not implemented")
     if getattr(config, "use_bidirectional_attention", False):
         reasons.append("bidirectional attention is not implemented (decoding is causal)")
     if getattr(config, "is_encoder_decoder", False):
@@ -133,9 +154,9 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
     dim, kv_heads = head_dim(config), getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     windows = config_windows(config)
     for c in calls:
-        if c.key_shape[-1] != c.value_shape[-1]:
-            reasons.append(f"K head size {c.key_shape[-1]} differs from V head size {c.value_shape[-1]}; "
-                           "the KV pool has one head size")
+        if c.key_shape[-1] < c.value_shape[-1]:
+            reasons.append(f"V head size {c.value_shape[-1]} is wider than K head size {c.key_shape[-1]}; "
+                           "the KV pool holds V heads no wider than K heads")
         elif c.key_shape[-1] != dim or c.query_shape[-1] != dim:
             reasons.append(f"attention heads of size {c.key_shape[-1]} do not match the config's head size {dim}")
         if c.key_shape[1] != kv_heads or c.query_shape[1] % c.key_shape[1]:
@@ -143,6 +164,9 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
             reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
                            f"declares {windows[c.layer_idx]}")
+        for what, shape in (("attention sinks", c.sinks_shape), ("ALiBi slopes", c.alibi_shape)):
+            if shape is not None and shape != (c.query_shape[1],):
+                reasons.append(f"its {what} have shape {shape}, not one per query head ({c.query_shape[1]})")
         if c.other_kwargs.get("is_causal", True) is not True:
             reasons.append("its attention is not causal (is_causal=False); pagedserve's is")
         unknown = sorted(k for k, v in c.other_kwargs.items()
@@ -206,6 +230,14 @@ def _paged_attention(model):
             model.set_attn_implementation(previous)
 
 
+def _find_base_model(model) -> None:
+    """Points `model.base_model` at the decoder when the class names a prefix it does not have
+    (Llama4ForCausalLM names "language_model", its prefix inside the multimodal model, but holds the
+    decoder as "model"): the runner and the probe run the base model on its own."""
+    if model.base_model is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        model.base_model_prefix = "model"
+
+
 @torch.inference_mode()
 def check_model(model) -> Support:
     """Refuses (UnsupportedModel) a model pagedserve cannot serve exactly; returns what serving needs.
@@ -220,6 +252,9 @@ def check_model(model) -> Support:
     if reasons:
         raise UnsupportedModel(arch, reasons)
     ids = _probe_ids(model)
+    attention.prepare(model)
+    own_attention.install(model)
+    _find_base_model(model)
     # probed on pagedserve's attention whatever the model was last set to (benchmarks switch it back
     # and forth); the base model as the runner calls it, then the whole model as generate does
     with _paged_attention(model), attention.record_calls() as calls:
@@ -233,8 +268,9 @@ def check_model(model) -> Support:
     if chosen is None:
         raise UnsupportedModel(arch, ["its final logits are computed in a way pagedserve does not reproduce"])
     by_layer = {c.layer_idx: c for c in calls}
-    support = Support([by_layer[i].sliding_window for i in range(config.num_hidden_layers)],
-                      [by_layer[i].softcap for i in range(config.num_hidden_layers)], chosen[0], chosen[1])
+    layers = range(config.num_hidden_layers)
+    support = Support([by_layer[i].sliding_window for i in layers], [by_layer[i].softcap for i in layers],
+                      chosen[0], chosen[1], [by_layer[i].chunk for i in layers])
     model.__dict__[_CACHE_ATTR] = support
     return support
 

@@ -3,7 +3,8 @@
 Semantics are exactly those of ``ops.reference.paged_attention`` (see ops/attention.py):
 query [tokens, heads, head_dim] is a flattened varlen batch; the query tokens of sequence s are
 the last q_len of its seq_lens[s] context and attend causally (within a sliding window, with a
-soft-cap on the scores, when given); kv heads divide query heads.
+soft-cap on the scores, ALiBi, attention sinks, within attention chunks, when given); kv heads divide
+query heads.
 
     pure decode (every q_len <= 1)  -> kernels.paged_decode   split-K over the context + reduction
     anything else (mixed batches)   -> kernels.paged_prefill  one varlen launch, q_len 1 rows included
@@ -30,7 +31,8 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            scale: float, max_query_len: int | None = None, *,
                            partition_size: int | None = None, sliding_window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           alibi: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Causal paged attention; returns a tensor shaped like query.
 
     partition_size (decode only) overrides the context split, in tokens; tests use it to exercise
@@ -43,10 +45,11 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
+    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, alibi=alibi, chunk=chunk)
     if _is_pure_decode(query.shape[0], query_start_loc, max_query_len):
         paged_decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                     partition_size=partition_size, sliding_window=sliding_window, softcap=softcap)
+                     partition_size=partition_size, **variant)
     else:
         paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                      max_query_len=max_query_len, sliding_window=sliding_window, softcap=softcap)
+                      max_query_len=max_query_len, **variant)
     return out

@@ -51,3 +51,16 @@ def score_args(scale: float, sliding_window: int | None, softcap: float | None) 
     the log2(e) factor folds into the scale; with one, the cap applies to the natural score and
     log2(e) after it. 0 means no cap, no window."""
     return (scale if softcap else scale * LOG2E), float(softcap or 0.0), int(sliding_window or 0)
+
+
+def variant_args(query: torch.Tensor, sinks, alibi, chunk) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernels' (sinks, alibi, chunk) arguments: per-head float32 tensors, or the query as an unused
+    placeholder (the HAS_SINKS / HAS_ALIBI constants say which), and the chunk length (0: none)."""
+    return (query if sinks is None else sinks), (query if alibi is None else alibi), int(chunk or 0)
+
+
+@triton.jit
+def per_head_base2(values, heads, mask):
+    """A per-query-head float32 value (a sink's logit, an ALiBi slope) for `heads`, times log2(e): the
+    kernels' softmax runs in base 2."""
+    return tl.load(values + heads, mask=mask, other=0.0).to(tl.float32) * LOG2E

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2, score_args, soft_cap
+from kernels.paged_common import (LOG2E, dot_config, kv_row_offsets, next_pow2, per_head_base2, score_args,
+                                  soft_cap, variant_args)
 
 BLOCK_N = 64            # context tokens per inner step (spans one or more cache blocks)
 MIN_PARTITION = 256     # below this a partition's fixed cost outweighs the parallelism it adds
@@ -34,19 +35,20 @@ MIN_BLOCK_P = 16        # the reduction's partition vector: one compiled variant
 # Runtime-varying integers are not specialized: Triton would otherwise compile a new variant when
 # one of them becomes 1 or a multiple of 16 (the block-table width does as contexts grow), and each
 # compile stalls the serving loop for up to a second on a GPU.
-_VARYING = ["partition", "stride_bt", "num_parts", "window"]
+_VARYING = ["partition", "stride_bt", "num_parts", "window", "chunk"]
 
 
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-                   part_out, part_m, part_l, qk_scale, softcap, window, partition,
+                   part_out, part_m, part_l, qk_scale, softcap, window, sinks, alibi, chunk, partition,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_cb, stride_ct, stride_ch,
                    num_heads, num_parts, group, head_dim,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PREC: tl.constexpr, SINGLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   HAS_CHUNK: tl.constexpr):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -60,6 +62,8 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_
     lo = start
     if HAS_WINDOW:  # the query (at seq_len - 1) sees the last `window` positions; earlier ones are skipped
         lo = tl.maximum(start, seq_len - window)
+    if HAS_CHUNK:  # ... and only its own chunk
+        lo = tl.maximum(lo, (seq_len - 1) // chunk * chunk)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -75,6 +79,11 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if HAS_SINKS:  # the sink is one more key with no value row, counted once: in partition 0
+        m_i = tl.where(p == 0, per_head_base2(sinks, heads, gmask), m_i)
+        l_i = tl.where(p == 0, 1.0, l_i)
+    if HAS_ALIBI:
+        slopes = per_head_base2(alibi, heads, gmask)
     table_row = block_tables + s.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
     for n0 in range(lo, end, BLOCK_N):
@@ -92,6 +101,8 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_
         scores = scores * qk_scale
         if HAS_SOFTCAP:
             scores = soft_cap(scores, softcap) * LOG2E
+        if HAS_ALIBI:
+            scores += slopes[:, None] * (pos - (seq_len - 1)).to(tl.float32)[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -159,9 +170,10 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_context: int, device:
 
 def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                  partition_size: int | None = None, sliding_window: int | None = None,
-                 softcap: float | None = None) -> None:
-    """Decode attention into `out`; every sequence has q_len <= 1 (0: skipped). sliding_window and
-    softcap as in ops.attention.paged_attention."""
+                 softcap: float | None = None, sinks: torch.Tensor | None = None,
+                 alibi: torch.Tensor | None = None, chunk: int | None = None) -> None:
+    """Decode attention into `out`; every sequence has q_len <= 1 (0: skipped). sliding_window,
+    softcap, sinks, alibi and chunk as in ops.attention.paged_attention."""
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
@@ -185,13 +197,15 @@ def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_lo
     block_g = max(16, next_pow2(group)) if use_dot else 1
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        part_out, part_m, part_l, *score_args(scale, sliding_window, softcap), partition,
+        part_out, part_m, part_l, *score_args(scale, sliding_window, softcap),
+        *variant_args(query, sinks, alibi, chunk), partition,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, num_parts, group, head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, BLOCK_G=block_g, BLOCK_D=next_pow2(head_dim),
         USE_DOT=use_dot, UPCAST=upcast, DOT_PREC=precision, SINGLE=single, HAS_WINDOW=bool(sliding_window),
-        HAS_SOFTCAP=bool(softcap), num_warps=4)
+        HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_ALIBI=alibi is not None,
+        HAS_CHUNK=bool(chunk), num_warps=4)
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_m, part_l, seq_lens, query_start_loc, out, partition,

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_common import LOG2E, dot_config, kv_row_offsets, next_pow2, score_args, soft_cap
+from kernels.paged_common import (LOG2E, dot_config, kv_row_offsets, next_pow2, per_head_base2, score_args,
+                                  soft_cap, variant_args)
 
 # (rows = query tokens x group heads, keys per inner step, warps, pipeline stages) per program.
 # float32 runs its "ieee" tl.dot on FMA units: register-hungry, it spills a little on sm_90 at any
@@ -45,9 +46,10 @@ MIN_BLOCK_S = 256
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, hi, qk_scale,
-            softcap, window, stride_cb, stride_ct, d, dmask,
+            softcap, window, chunk_start, slopes, stride_cb, stride_ct, d, dmask,
             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+            CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr):
     """Online-softmax step over keys [lo, hi) of one sequence (hi <= its length)."""
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -58,11 +60,15 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, 
         scores = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         if HAS_SOFTCAP:
             scores = soft_cap(scores, softcap) * LOG2E
+        if HAS_ALIBI:
+            scores += slopes[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         keep = valid[None, :]  # without CAUSAL only the tail of the last step can be past hi
         if CAUSAL:
             keep = keep & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        if HAS_CHUNK:
+            keep = keep & (pos[None, :] >= chunk_start[:, None])
         scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -77,14 +83,15 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, 
 
 # Runtime-varying integers are not specialized (see kernels/paged_decode.py): no recompiles as the
 # batch and the block-table width change from step to step.
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "window", "chunk"])
 def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_tiles, out,
-                    qk_scale, softcap, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    qk_scale, softcap, window, sinks, alibi, chunk, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_ct, stride_ch, num_seqs, group, head_dim,
                     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_S: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     # tile -> sequence (see the module docstring)
@@ -119,6 +126,15 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked tiles give 0, not NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_SINKS:  # the sink is one more key with no value row
+        m_i = per_head_base2(sinks, heads, row_mask)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    slopes = m_i
+    if HAS_ALIBI:
+        slopes = per_head_base2(alibi, heads, row_mask)
+    chunk_start = q_pos
+    if HAS_CHUNK:
+        chunk_start = q_pos // chunk * chunk
     table_row = block_tables + s.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_ch
     full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N
@@ -126,15 +142,17 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start
     lo = 0
     if HAS_WINDOW:  # the tile's first row (ctx + q0) sees keys from ctx + q0 - window + 1 on
         lo = tl.maximum(0, ctx + q0 - window + 1)
+    if HAS_CHUNK:  # ... and its chunk, which starts no later than any other row's
+        lo = tl.maximum(lo, (ctx + q0) // chunk * chunk)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, full_end,
-                            qk_scale, softcap, window, stride_cb, stride_ct, d, dmask,
-                            BLOCK_SIZE, BLOCK_N, DOT_PREC, False, HAS_WINDOW, HAS_SOFTCAP)
+                            qk_scale, softcap, window, chunk_start, slopes, stride_cb, stride_ct, d, dmask,
+                            BLOCK_SIZE, BLOCK_N, DOT_PREC, False, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_CHUNK)
     # a window narrower than a key tile can start past full_end: keys before lo are never loaded (their
     # blocks may have left the window and been freed; a masked NaN there would still poison P @ V)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off,
                             tl.maximum(full_end, lo), kv_end,
-                            qk_scale, softcap, window, stride_cb, stride_ct, d, dmask,
-                            BLOCK_SIZE, BLOCK_N, DOT_PREC, True, HAS_WINDOW, HAS_SOFTCAP)
+                            qk_scale, softcap, window, chunk_start, slopes, stride_cb, stride_ct, d, dmask,
+                            BLOCK_SIZE, BLOCK_N, DOT_PREC, True, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_CHUNK)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              res.to(out.dtype.element_ty), mask=io_mask)
@@ -142,9 +160,10 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start
 
 def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                   max_query_len: int | None = None, sliding_window: int | None = None,
-                  softcap: float | None = None) -> None:
-    """Causal varlen attention into `out`; any q_len >= 0 per sequence. sliding_window and softcap as
-    in ops.attention.paged_attention."""
+                  softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  alibi: torch.Tensor | None = None, chunk: int | None = None) -> None:
+    """Causal varlen attention into `out`; any q_len >= 0 per sequence. sliding_window, softcap, sinks,
+    alibi and chunk as in ops.attention.paged_attention."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -164,10 +183,11 @@ def paged_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
     precision, upcast = dot_config(query.dtype, query.device)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_tiles, out,
-        *score_args(scale, sliding_window, softcap), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        *score_args(scale, sliding_window, softcap), *variant_args(query, sinks, alibi, chunk), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_seqs, group, head_dim,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=next_pow2(head_dim), BLOCK_S=max(MIN_BLOCK_S, next_pow2(num_seqs)), UPCAST=upcast,
         DOT_PREC=precision, HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None, HAS_ALIBI=alibi is not None, HAS_CHUNK=bool(chunk),
         num_warps=num_warps, num_stages=num_stages)

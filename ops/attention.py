@@ -97,7 +97,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, max_query_len: int | None = None, *, sliding_window: int | None = None,
-                    softcap: float | None = None, kernel_rows: KernelRows | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    alibi: torch.Tensor | None = None, chunk: int | None = None,
+                    kernel_rows: KernelRows | None = None) -> torch.Tensor:
     """Causal attention of query [tokens, heads, head_dim] over the paged cache; returns the same shape.
 
     block_tables: int32 [seqs, max_blocks] (unused entries any value, conventionally 0);
@@ -107,6 +109,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sliding_window: W > 0 lets the query at position i see only keys i - W < j <= i (transformers'
         convention: W positions, its own included); None or 0: the whole causal context.
     softcap: c > 0 turns each scaled score s into c * tanh(s / c) before the softmax (Gemma 2).
+    sinks: float32 [heads]: a logit per query head that joins the softmax's denominator and adds no
+        value row (GPT-OSS's attention sinks).
+    alibi: float32 [heads]: ALiBi slopes m; the query at position i adds m * (j - i) to the (capped)
+        score of key j (BLOOM, MPT, Falcon with alibi).
+    chunk: C > 0 lets the query at position i see only keys of its own chunk, i // C == j // C (Llama 4's
+        chunked attention); with a window too, both apply.
     kernel_rows: `kernel_rows(query_start_loc, seq_lens, block_tables)` when the caller made it once
         for the step (the CPU kernel's input; every layer of a step would otherwise make it again).
     """
@@ -119,17 +127,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     if softcap is not None and softcap < 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
-    sliding_window, softcap = sliding_window or None, softcap or None
+    if chunk is not None and chunk < 0:
+        raise ValueError(f"chunk must be positive or None, got {chunk}")
+    for name, per_head in (("sinks", sinks), ("alibi", alibi)):
+        if per_head is not None and (per_head.shape != (query.shape[1],) or per_head.dtype != torch.float32
+                                     or per_head.device != query.device):
+            raise ValueError(f"{name} must be float32 [heads] = [{query.shape[1]}] on {query.device}, got "
+                             f"{per_head.dtype} {tuple(per_head.shape)} on {per_head.device}")
+    sliding_window, softcap, chunk = sliding_window or None, softcap or None, chunk or None
+    variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, alibi=alibi, chunk=chunk)
     if use_triton(query.device):
         from kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                      scale, max_query_len, sliding_window=sliding_window, softcap=softcap)
+                                      scale, max_query_len, **variant)
     kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
     if kernel is not None:
         return paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window=sliding_window, softcap=softcap, work=kernel_rows)
+                                   scale, work=kernel_rows, **variant)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                     scale, max_query_len, sliding_window, softcap)
+                                     scale, max_query_len, **variant)
 
 
 # prompt runs of up to this many query tokens go through the CPU kernel, one row per token (each row
@@ -166,7 +182,8 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
 
 
 def paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
-                        sliding_window=None, softcap=None, work: KernelRows | None = None):
+                        sliding_window=None, softcap=None, sinks=None, alibi=None, chunk=None,
+                        work: KernelRows | None = None):
     """The kernel's rows (decode rows and short prompt runs) straight from the blocks; longer prompt
     runs through the reference's causal SDPA over the gathered context."""
     out = torch.empty_like(query)
@@ -174,11 +191,13 @@ def paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens,
     if work.tokens.numel():
         # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(), work.tables, work.lens,
-                            work.tokens, float(scale), int(sliding_window or 0), float(softcap or 0.0))
+                            work.tokens, float(scale), int(sliding_window or 0), float(softcap or 0.0), sinks,
+                            alibi, int(chunk or 0))
     if work.rest:
         start_list, seq_len_list = query_start_loc.tolist(), seq_lens.tolist()
         for s in work.rest:
             begin, end = start_list[s], start_list[s + 1]
             out[begin:end] = reference.extend_one(query[begin:end], k_cache, v_cache, block_tables[s],
-                                                  seq_len_list[s], scale, sliding_window, softcap)
+                                                  seq_len_list[s], scale, sliding_window, softcap, sinks=sinks,
+                                                  alibi=alibi, chunk=chunk)
     return out

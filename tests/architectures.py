@@ -49,6 +49,52 @@ def _gemma3():
                             sliding_window_pattern=2, query_pre_attn_scalar=16), Gemma3ForCausalLM
 
 
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12), \
+        GptOssForCausalLM
+
+
+def _llama4_text():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    # three chunked layers with rotary, one global NoPE layer whose queries are scaled by position
+    # (floor_scale 8: from position 7 on, not only past 8192 as in the checkpoints)
+    return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
+                            num_local_experts=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0],
+                            floor_scale=8, attn_scale=0.5), Llama4ForCausalLM
+
+
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                       eos_token_id=2), BloomForCausalLM
+
+
+def _mpt():
+    from transformers import MptConfig, MptForCausalLM
+    return MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=512,
+                     attn_config={"clip_qkv": 0.5}), MptForCausalLM
+
+
+def _falcon(alibi=False, **extra):
+    def build():
+        from transformers import FalconConfig, FalconForCausalLM
+        return FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            alibi=alibi, bos_token_id=1, eos_token_id=2, **extra), FalconForCausalLM
+    return build
+
+
+def _deepseek(version: str, q_lora_rank: int | None = None):
+    def build():
+        import transformers
+        config = getattr(transformers, f"Deepseek{version}Config")(
+            **{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=32, first_k_dense_replace=1)
+        return config, getattr(transformers, f"Deepseek{version}ForCausalLM")
+    return build
+
+
 # name -> builder of (config, causal-LM class); every one is served token-identically
 SUPPORTED = {
     "Llama": _llama_like("Llama"),
@@ -74,7 +120,26 @@ SUPPORTED = {
     "Cohere (logit_scale)": _llama_like("Cohere", logit_scale=0.5),
     "Qwen2-MoE": _llama_like("Qwen2Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=64),
+    "GPT-OSS (sinks, alternating window 12, MoE)": _gpt_oss,
+    "SmolLM3 (NoPE layer)": _llama_like("SmolLM3", no_rope_layers=[1, 0]),
+    "Qwen3-MoE": _llama_like("Qwen3Moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "GLM-4-MoE": _llama_like("Glm4Moe", head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "EXAONE 4 (alternating window 12)": _llama_like("Exaone4", head_dim=16, sliding_window=12,
+                                                    sliding_window_pattern=2),
+    "OLMo 3 (window 12)": _llama_like("Olmo3", sliding_window=12),
+    "Seed-OSS": _llama_like("SeedOss", head_dim=16),
+    "Llama 4 text (chunks of 8, NoPE layer, MoE)": _llama4_text,
+    "BLOOM (ALiBi)": _bloom,
+    "MPT (ALiBi, clip_qkv)": _mpt,
+    "Falcon (multi-query, parallel attention)": _falcon(),
+    "Falcon (new decoder architecture, 2 KV heads)": _falcon(new_decoder_architecture=True, num_kv_heads=2),
+    "DeepSeek-V2 (latent attention, K 24 wide, V 16)": _deepseek("V2"),
+    "DeepSeek-V3 (latent attention, K 24 wide, V 16, q_lora)": _deepseek("V3", q_lora_rank=16),
 }
+# served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
+SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
+           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE"}
 
 
 def build(builder, attn: str, seed: int = 0):
@@ -93,50 +158,10 @@ def build(builder, attn: str, seed: int = 0):
     return model
 
 
-def _falcon(alibi=False):
-    def build():
-        from transformers import FalconConfig, FalconForCausalLM
-        return FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            alibi=alibi, bos_token_id=1, eos_token_id=2), FalconForCausalLM
-    return build
-
-
 def _gpt_neo():
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
     return GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                         window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
-
-
-def _bloom():
-    from transformers import BloomConfig, BloomForCausalLM
-    return BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
-                       eos_token_id=2), BloomForCausalLM
-
-
-def _mpt():
-    from transformers import MptConfig, MptForCausalLM
-    return MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), MptForCausalLM
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    return DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
-                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                            num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
-                            first_k_dense_replace=1), DeepseekV3ForCausalLM
-
-
-def _gpt_oss():
-    from transformers import GptOssConfig, GptOssForCausalLM
-    return GptOssConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=12), \
-        GptOssForCausalLM
-
-
-def _llama4_text():
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-    return Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=128,
-                            num_local_experts=2, attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0]), \
-        Llama4ForCausalLM
 
 
 def _mamba():
@@ -144,14 +169,42 @@ def _mamba():
     return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
 
 
+def _state_model(kind: str, **extra):
+    """A hybrid or state-space model: layers that keep a per-sequence state, refused until a state pool exists."""
+    def build():
+        import transformers
+        config = getattr(transformers, f"{kind}Config")(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                         num_hidden_layers=2, **extra)
+        return config, getattr(transformers, f"{kind}ForCausalLM")
+    return build
+
+
+_MAMBA2_HEADS = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
+STATE_MODELS = {
+    "Qwen3NextForCausalLM": _state_model(
+        "Qwen3Next", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"]),
+    "GraniteMoeHybridForCausalLM": _state_model(
+        "GraniteMoeHybrid", num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["mamba", "attention"], **{**_MAMBA2_HEADS, "mamba_d_head": 32}),
+    "FalconH1ForCausalLM": _state_model("FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        mamba_d_ssm=64, **_MAMBA2_HEADS),
+    "JambaForCausalLM": _state_model("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2,
+                                     num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                                     expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                                     use_mamba_kernels=False),
+    "Lfm2ForCausalLM": _state_model("Lfm2", num_attention_heads=4, num_key_value_heads=2,
+                                    layer_types=["conv", "full_attention"]),
+    "Mamba2ForCausalLM": _state_model("Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1),
+}
+
+
 # name -> (builder, words the refusal must contain besides the architecture's name)
 REFUSED = {
-    "FalconForCausalLM": (_falcon(), "attention interface"),
+    "FalconForCausalLM": (_falcon(alibi=True), "adds the bias twice"),
     "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
-    "BloomForCausalLM": (_bloom, "ALiBi"),
-    "MptForCausalLM": (_mpt, "ALiBi"),
-    "DeepseekV3ForCausalLM": (_deepseek_v3, "multi-head latent attention"),
-    "GptOssForCausalLM": (_gpt_oss, "s_aux"),
-    "Llama4ForCausalLM": (_llama4_text, "chunked"),
-    "MambaForCausalLM": (_mamba, "linear_attention"),
+    "MambaForCausalLM": (_mamba, "per-sequence state"),
+    **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},
 }

@@ -29,7 +29,8 @@ def hf_reference(model, prompt: list[int], max_tokens: int) -> tuple[list[int], 
 @dataclass
 class Served:
     outputs: list[tuple[list[int], list[float]]]   # per prompt: greedy tokens, their log-probs
-    preemptions: int
+    preemptions: int                 # by recompute
+    swap_preemptions: int            # by swapping the victim's blocks to the CPU pool
     prefix_hits: int                 # prompt tokens served from the prefix cache
     window_freed: int                # blocks given back because they left the sliding window
     peak_blocks: int                 # most device blocks in use after any step
@@ -37,16 +38,20 @@ class Served:
 
 
 def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
-          max_num_seqs: int = 3, budget: int = 16, free_window: bool = True) -> Served:
+          max_num_seqs: int = 3, budget: int = 16, free_window: bool = True, swap: bool = False) -> Served:
     """Greedy decoding of every prompt (all queued at once, in order) on a pool of `num_blocks`;
-    `free_window`: the block manager learns the window from the handshake, as the engine's does."""
-    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks)
+    `free_window`: the block manager learns the window from the handshake, as the engine's does;
+    `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed."""
+    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
+                             swap_blocks=num_blocks if swap else None)
     runner = ModelRunner(model, config, torch.device("cpu"))
     window = runner.handshake().sliding_window
     played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,
-                  sliding_window=window if free_window else 0)
+                  sliding_window=window if free_window else 0, mode="swap" if swap else "recompute",
+                  num_cpu_blocks=num_blocks if swap else 0)
     outputs = [(tokens, logprobs[-max_tokens:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
-    return Served(outputs, played.preemptions, played.prefix_hits, played.window_freed, played.peak_blocks, window)
+    return Served(outputs, played.preemptions, played.swap_preemptions, played.prefix_hits, played.window_freed,
+                  played.peak_blocks, window)
 
 
 def assert_same(outputs, expected, atol: float = 1e-4) -> None:

@@ -8,7 +8,10 @@
 //
 // A sliding window W (> 0) keeps only the last W positions of the context (the query's own
 // included, as transformers' masks do); a soft-cap c (> 0) maps each scaled score s to
-// c * tanh(s / c) before the softmax (Gemma 2). 0 turns either off.
+// c * tanh(s / c) before the softmax (Gemma 2). 0 turns either off. Attention chunks of C (> 0)
+// positions keep only the query's own chunk (Llama 4). Optional per-query-head float32 arrays:
+// ALiBi slopes m_h add m_h * (key position - query position) to the (capped) scores (BLOOM, MPT,
+// Falcon), and sinks s_h join the softmax's denominator as a logit with no value row (GPT-OSS).
 //
 // Layouts (float32, or bfloat16 for query, out and caches alike: the arithmetic stays float32 and
 // the output is rounded once): query/out [tokens, heads, head_dim] with head_dim contiguous;
@@ -155,7 +158,37 @@ struct Shape {
   float scale;
   int64_t window;   // 0: none
   float softcap;    // 0: none
+  int64_t chunk;    // 0: none
+  const float* alibi = nullptr;   // [heads] slopes, or none
+  const float* sinks = nullptr;   // [heads] logits, or none
 };
+
+// the first position a query at `last` sees: within its window and its chunk
+inline int64_t first_visible(const Shape& sh, int64_t last) {
+  int64_t begin = sh.window > 0 ? std::max<int64_t>(0, last + 1 - sh.window) : 0;
+  if (sh.chunk > 0) begin = std::max(begin, last / sh.chunk * sh.chunk);
+  return begin;
+}
+
+// The scores of query head `head` over positions begin .. begin + len - 1 (the query at begin + len - 1)
+// become probabilities up to a common factor, in place: soft-cap, ALiBi, then exp(s - max); returns
+// 1 / the softmax's denominator, the sink's term included.
+template <typename ExpSum>
+inline float finish_scores(const Shape& sh, float* s, int64_t len, int64_t head, ExpSum exp_sum) {
+  if (sh.softcap > 0.f) {
+    const float inv_cap = 1.f / sh.softcap;
+    for (int64_t i = 0; i < len; ++i) s[i] = sh.softcap * std::tanh(s[i] * inv_cap);
+  }
+  if (sh.alibi != nullptr) {
+    const float slope = sh.alibi[head];
+    for (int64_t i = 0; i < len; ++i) s[i] += slope * static_cast<float>(i - (len - 1));
+  }
+  float m = *std::max_element(s, s + len);
+  if (sh.sinks != nullptr) m = std::max(m, sh.sinks[head]);
+  float sum = exp_sum(s, len, m);
+  if (sh.sinks != nullptr) sum += std::exp(sh.sinks[head] - m);
+  return 1.f / sum;
+}
 
 // One item: token row `tok`, KV heads [h0, h1). `scores` and `acc` are the calling thread's
 // scratch buffers. A position's K (or V) row holds every KV head side by side, so walking the
@@ -166,8 +199,8 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                 std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t bs = sh.block_size, D = sh.head_dim, G = sh.group;
   const int64_t nq = (h1 - h0) * G;           // query heads of this item
-  // the query sits at full_len - 1; with a window it sees positions [begin, full_len) only
-  const int64_t begin = sh.window > 0 ? std::max<int64_t>(0, full_len - sh.window) : 0;
+  // the query sits at full_len - 1; with a window or a chunk it sees positions [begin, full_len) only
+  const int64_t begin = first_visible(sh, full_len - 1);
   const int64_t len = full_len - begin;       // positions attended, indexed from `begin`
   scores.resize(nq * len);
   acc.assign(nq * D, 0.f);
@@ -184,15 +217,9 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
         scores[j * len + p] = sh.scale * dot_any<kVector>(qj[j], k, D);
     }
   });
-  if (sh.softcap > 0.f) {
-    const float inv_cap = 1.f / sh.softcap;
-    for (int64_t i = 0; i < nq * len; ++i) scores[i] = sh.softcap * std::tanh(scores[i] * inv_cap);
-  }
   float inv_sum[64];
-  for (int64_t j = 0; j < nq; ++j) {
-    float* sj = scores.data() + j * len;
-    inv_sum[j] = 1.f / exp_shifted_sum_any<kVector>(sj, len, *std::max_element(sj, sj + len));
-  }
+  for (int64_t j = 0; j < nq; ++j)
+    inv_sum[j] = finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
   walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
     for (int64_t h = h0; h < h1; ++h) {
       const float* v = as_float(row + h * D, row_f.data(), D);
@@ -253,14 +280,8 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     }
   }, h * sh.head_dim, sh.head_dim);
   float inv_sum[C];
-  for (int c = 0; c < C; ++c) {
-    float* sc = scores + c * len;
-    if (sh.softcap > 0.f) {
-      const float inv_cap = 1.f / sh.softcap;
-      for (int64_t i = 0; i < len; ++i) sc[i] = sh.softcap * std::tanh(sc[i] * inv_cap);
-    }
-    inv_sum[c] = 1.f / exp_shifted_sum16(sc, len, *std::max_element(sc, sc + len));
-  }
+  for (int c = 0; c < C; ++c)
+    inv_sum[c] = finish_scores(sh, scores + c * len, len, h * sh.group + j0 + c, exp_shifted_sum16);
   __m512 acc[C][NV];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
@@ -285,7 +306,7 @@ void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                    const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
                    std::vector<float>& scores) {
   constexpr int kChunk = NV <= 4 ? 4 : 2;   // query heads per pass: C * NV accumulators in registers
-  const int64_t begin = sh.window > 0 ? std::max<int64_t>(0, full_len - sh.window) : 0;
+  const int64_t begin = first_visible(sh, full_len - 1);
   scores.resize(kChunk * (full_len - begin));
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t j = 0; j < sh.group;) {
@@ -344,7 +365,8 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
 
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
-                  int64_t window, double softcap) {
+                  int64_t window, double softcap, c10::optional<at::Tensor> sinks,
+                  c10::optional<at::Tensor> alibi, int64_t chunk) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
               v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
@@ -360,7 +382,12 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, "query/cache shapes");
   TORCH_CHECK(query.size(1) <= 64, "paged_decode: at most 64 query heads");
-  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(window >= 0 && softcap >= 0 && chunk >= 0, "paged_decode: window, softcap and chunk must be >= 0 (0: none)");
+  for (const auto* per_head : {&sinks, &alibi})
+    if (per_head->has_value())
+      TORCH_CHECK((*per_head)->scalar_type() == at::kFloat && (*per_head)->is_contiguous() &&
+                  (*per_head)->dim() == 1 && (*per_head)->size(0) == query.size(1),
+                  "paged_decode: sinks and ALiBi slopes are float32 [heads]");
   Shape sh;
   sh.block_size = k_cache.size(1);
   sh.kv_heads = k_cache.size(2);
@@ -375,6 +402,9 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   sh.scale = static_cast<float>(scale);
   sh.window = window;
   sh.softcap = static_cast<float>(softcap);
+  sh.chunk = chunk;
+  if (sinks.has_value()) sh.sinks = sinks->data_ptr<float>();
+  if (alibi.has_value()) sh.alibi = alibi->data_ptr<float>();
   const int64_t num_rows = tokens.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();

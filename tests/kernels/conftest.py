@@ -6,6 +6,7 @@ compiler when the kernel module is imported), hence at conftest import time.
 from __future__ import annotations
 
 import os
+import random
 from types import SimpleNamespace
 
 import torch
@@ -79,10 +80,13 @@ class PagedBatch:
                                          None, sliding_window, softcap)
 
 
-def dense_attention(batch: PagedBatch, sliding_window=None, softcap=None) -> torch.Tensor:
+def dense_attention(batch: PagedBatch, sliding_window=None, softcap=None, sinks=None, alibi=None,
+                    chunk=None) -> torch.Tensor:
     """The simplest possible computation: per sequence and per query token, rebuild the context
     from the block table token by token and take a softmax over it (over the last `sliding_window`
-    positions up to the query's own, with scores soft-capped as Gemma 2 does when `softcap`)."""
+    positions up to the query's own, and only those of its own `chunk` of positions; with scores
+    soft-capped as Gemma 2 does when `softcap`, plus slope * (key position - query position) per head
+    when `alibi`, and a per-head sink logit in the denominator when `sinks`)."""
     q, kc, vc = batch.query.float(), batch.k_cache.float(), batch.v_cache.float()
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -97,12 +101,36 @@ def dense_attention(batch: PagedBatch, sliding_window=None, softcap=None) -> tor
         for i in range(q_len):
             visible = seq_len - q_len + i + 1
             first = max(0, visible - sliding_window) if sliding_window else 0
+            if chunk:
+                first = max(first, (visible - 1) // chunk * chunk)
             for h in range(q.shape[1]):
                 scores = keys[first:visible, h // group] @ q[starts[s] + i, h] * batch.scale
                 if softcap:
                     scores = torch.tanh(scores / softcap) * softcap
-                out[starts[s] + i, h] = scores.softmax(0) @ values[first:visible, h // group]
+                if alibi is not None:
+                    scores = scores + float(alibi[h]) * torch.arange(first - visible + 1, 1).float()
+                weights = scores.softmax(0)
+                if sinks is not None:
+                    weights = torch.cat([scores, sinks[h].float().view(1)]).softmax(0)[:-1]
+                out[starts[s] + i, h] = weights @ values[first:visible, h // group]
     return out
+
+
+def mixed_batch(seed, num_seqs, max_len, block_size, decode_only, heads=6, kv_heads=2, head_dim=16,
+                dtype=torch.float32, device="cpu") -> PagedBatch:
+    """Contexts of 1..max_len; all decode rows, or every third a query run of up to 40 tokens (the first
+    a whole prompt) among decode rows."""
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    q_lens = [1 if decode_only or i % 3 else min(s, rng.randint(2, 40)) for i, s in enumerate(seq_lens)]
+    if not decode_only:
+        q_lens[0] = seq_lens[0]   # a whole prompt
+    return PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, device=device, seed=seed)
+
+
+def assert_close_to(out, expected, atol=2e-5):
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=1e-4)
 
 
 def random_lens(rng, batch, max_context, decode_fraction):

@@ -60,7 +60,8 @@ def test_mixed_batch_short_prompt_runs_in_kernel_long_ones_in_reference(kernel, 
     assert work.lens[:4].tolist() == [16, 40, 1, 2]        # prompt tokens see their own causal context
     extended = []
     real = attention.reference.extend_one
-    monkeypatch.setattr(attention.reference, "extend_one", lambda q, *a: extended.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(attention.reference, "extend_one",
+                        lambda q, *a, **kw: extended.append(q.shape[0]) or real(q, *a, **kw))
     torch.testing.assert_close(attention.paged_attention(*batch.args()), dense_attention(batch),
                                atol=2e-6, rtol=1e-5)
     assert extended == [limit + 1, limit + 20]

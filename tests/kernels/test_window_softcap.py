@@ -6,45 +6,27 @@ it, and larger than the context; soft-caps are small enough (5) to change the sc
 """
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 import kernels.paged_attention as pa
 from ops import attention, cpu_kernels, reference
-from tests.kernels.conftest import PagedBatch, dense_attention
+from tests.kernels.conftest import assert_close_to, dense_attention, mixed_batch
 
 # (window, softcap): window only, cap only, both, a window wider than every context
 SETTINGS = [(5, None), (None, 5.0), (13, 5.0), (1000, None), (1, None)]
 IDS = ["w5", "cap5", "w13-cap5", "w1000", "w1"]
 
 
-def _batch(seed, num_seqs, max_len, block_size, decode_only, heads=6, kv_heads=2, head_dim=16,
-           dtype=torch.float32, device="cpu"):
-    rng = random.Random(seed)
-    seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]
-    q_lens = [1 if decode_only or i % 3 else min(s, rng.randint(2, 40)) for i, s in enumerate(seq_lens)]
-    if not decode_only:
-        q_lens[0] = seq_lens[0]   # a whole prompt
-    return PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                      block_size=block_size, dtype=dtype, device=device, seed=seed)
-
-
-def _close(out, expected, atol=2e-5):
-    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=1e-4)
-
-
 @pytest.mark.parametrize("window,softcap", SETTINGS, ids=IDS)
 def test_reference_matches_dense(window, softcap):
-    batch = _batch(1, 24, 120, 8, decode_only=False)
+    batch = mixed_batch(1, 24, 120, 8, decode_only=False)
     out = reference.paged_attention(*batch.args(), None, window, softcap)
-    _close(out, dense_attention(batch, window, softcap))
+    assert_close_to(out, dense_attention(batch, window, softcap))
 
 
 def test_the_window_and_the_cap_change_the_result():
     # the oracle itself must see both settings, or every test above would pass vacuously
-    batch = _batch(2, 8, 120, 8, decode_only=False)
+    batch = mixed_batch(2, 8, 120, 8, decode_only=False)
     plain = dense_attention(batch)
     assert (dense_attention(batch, 5) - plain).abs().max() > 0.1
     assert (dense_attention(batch, None, 5.0) - plain).abs().max() > 0.01
@@ -54,20 +36,20 @@ def test_the_window_and_the_cap_change_the_result():
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 16), (4, 4, 36)])  # AVX2 and scalar loops
 def test_cpu_kernel_decode_matches_dense(window, softcap, heads, kv_heads, head_dim):
     assert cpu_kernels.load() is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
-    batch = _batch(3, 30, 150, 8, decode_only=True, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    batch = mixed_batch(3, 30, 150, 8, decode_only=True, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     out = attention.paged_attention(*batch.args(), max_query_len=1, sliding_window=window, softcap=softcap)
-    _close(out, dense_attention(batch, window, softcap))
+    assert_close_to(out, dense_attention(batch, window, softcap))
 
 
 @pytest.mark.parametrize("window,softcap", SETTINGS[:3], ids=IDS[:3])
 def test_cpu_path_mixed_batch_matches_dense(window, softcap):
-    batch = _batch(4, 16, 100, 8, decode_only=False)
+    batch = mixed_batch(4, 16, 100, 8, decode_only=False)
     out = attention.paged_attention(*batch.args(), sliding_window=window, softcap=softcap)
-    _close(out, dense_attention(batch, window, softcap))
+    assert_close_to(out, dense_attention(batch, window, softcap))
 
 
 def test_bad_window_or_cap_is_an_error():
-    batch = _batch(5, 2, 20, 8, decode_only=True)
+    batch = mixed_batch(5, 2, 20, 8, decode_only=True)
     with pytest.raises(ValueError, match="sliding_window"):
         attention.paged_attention(*batch.args(), sliding_window=-1)
     with pytest.raises(ValueError, match="softcap"):
@@ -78,11 +60,11 @@ def test_bad_window_or_cap_is_an_error():
 @pytest.mark.parametrize("window,softcap", [(37, None), (None, 5.0), (21, 5.0)], ids=["w37", "cap5", "w21-cap5"])
 @pytest.mark.parametrize("partition", [None, 48], ids=["one-partition", "split-k"])
 def test_triton_decode_matches_dense(kt, window, softcap, partition):
-    batch = _batch(6, 5, 200, 16, decode_only=True, device=kt.device)
+    batch = mixed_batch(6, 5, 200, 16, decode_only=True, device=kt.device)
     batch.seq_lens[0] = 200   # spans partitions, most of them outside a window
     out = pa.paged_attention_triton(*batch.args(), max_query_len=1, partition_size=partition,
                                     sliding_window=window, softcap=softcap)
-    _close(out, dense_attention(batch, window, softcap), atol=1e-4)
+    assert_close_to(out, dense_attention(batch, window, softcap), atol=1e-4)
 
 
 @pytest.mark.parametrize("window,softcap", [(37, None), (None, 5.0), (21, 5.0), (3, None)],
@@ -90,7 +72,7 @@ def test_triton_decode_matches_dense(kt, window, softcap, partition):
 def test_triton_prefill_and_extend_match_dense(kt, window, softcap):
     # chunks over a cached prefix (extend), whole prompts and decode rows in one launch; windows
     # smaller than one query tile, and straddling the unmasked/causal boundary
-    batch = _batch(7, 6, 160, 16, decode_only=False, device=kt.device)
+    batch = mixed_batch(7, 6, 160, 16, decode_only=False, device=kt.device)
     out = pa.paged_attention_triton(*batch.args(), max_query_len=batch.max_query_len,
                                     sliding_window=window, softcap=softcap)
-    _close(out, dense_attention(batch, window, softcap), atol=1e-4)
+    assert_close_to(out, dense_attention(batch, window, softcap), atol=1e-4)

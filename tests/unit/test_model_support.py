@@ -2,11 +2,13 @@
 path it picks equals the model's own (Granite's scaling, Gemma 2's final soft-cap)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from data_plane import __main__ as data_plane_main
-from data_plane import attention, model_support
+from data_plane import attention, model_support, own_attention
 from tests.architectures import REFUSED, SUPPORTED, build
 
 
@@ -46,10 +48,10 @@ def test_probe_finds_windows_and_caps_per_layer():
 
 
 def test_a_model_that_computes_attention_itself_is_refused_by_the_probe(monkeypatch):
-    # BLOOM is refused for ALiBi by its config already; without that rule the probe still sees that
-    # no layer calls the attention interface
-    monkeypatch.setattr(model_support, "config_reasons", lambda config: [])
-    model = build(REFUSED["BloomForCausalLM"][0], attention.register())
+    # BLOOM computes attention in its own code; without its paged forward (data_plane/own_attention.py)
+    # the probe sees that no layer calls the attention interface
+    monkeypatch.setattr(own_attention, "FORWARDS", {})
+    model = build(SUPPORTED["BLOOM (ALiBi)"], attention.register())
     with pytest.raises(model_support.UnsupportedModel, match="BloomForCausalLM .*attention interface"):
         model_support.check_model(model)
 
@@ -80,20 +82,50 @@ def test_the_probe_uses_paged_attention_and_gives_back_the_models_own():
 
 
 def test_the_data_plane_exits_non_zero_naming_the_architecture(tmp_path, capsys):
-    build(REFUSED["FalconForCausalLM"][0], "eager").save_pretrained(tmp_path)
+    build(REFUSED["GPTNeoForCausalLM"][0], "eager").save_pretrained(tmp_path)
     code = data_plane_main.main(["--model", str(tmp_path), "--listen", "inproc://refused", "--device", "cpu"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "FalconForCausalLM is not supported by pagedserve" in err and "attention interface" in err
+    assert "GPTNeoForCausalLM is not supported by pagedserve" in err and "attention interface" in err
 
 
 @pytest.mark.parametrize("extra,reason", [({"is_causal": False}, "not causal"),
-                                          ({"s_aux": torch.zeros(4)}, "['s_aux']")])
+                                          ({"alibi_slopes": torch.zeros(4)}, "['alibi_slopes']"),
+                                          ({"s_aux": torch.zeros(3)}, "sinks have shape (3,)")])
 def test_attention_arguments_pagedserve_does_not_implement_are_refused(extra, reason, monkeypatch):
-    # a layer that hands the interface one more argument, as GPT-OSS does with its sinks (s_aux)
+    # a layer that hands the interface one more argument, or sinks (GPT-OSS's s_aux) not one per head
     model = paged("Llama")
     layer = model.model.layers[1].self_attn
     original = layer.forward
     monkeypatch.setattr(layer, "forward", lambda *a, **kw: original(*a, **{**kw, **extra}))
-    with pytest.raises(model_support.UnsupportedModel, match=reason.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(model_support.UnsupportedModel, match=re.escape(reason)):
         model_support.check_model(model)
+
+
+def test_chunked_layers_are_found_and_bound_what_blocks_can_be_freed():
+    support = model_support.check_model(paged("Llama 4 text (chunks of 8, NoPE layer, MoE)"))
+    assert support.layer_chunks == [8, 8, 8, None]
+    assert support.freeable_window == 0   # its global layer reads every block
+    # a chunk of C bounds a layer's reach as a window of C does: the widest reach is what may be freed
+    logits = support.final_logits
+    assert model_support.Support([None, 12], [None, None], logits, "", [8, None]).freeable_window == 12
+    assert model_support.Support([None, 4], [None, None], logits, "", [8, None]).freeable_window == 8
+    assert model_support.Support([None, None], [None, None], logits, "", [8, None]).freeable_window == 0
+
+
+def test_llama4_temperature_tuning_moves_to_paged_attention_while_it_runs():
+    model = build(SUPPORTED["Llama 4 text (chunks of 8, NoPE layer, MoE)"], "eager")
+    model_support.check_model(model)
+    nope_layer = model.model.layers[3].self_attn
+    assert not nope_layer.use_rope
+    assert bool(nope_layer.attn_temperature_tuning)          # generate: transformers scales the queries
+    with attention.record_calls():                           # a paged pass: our attention scales them
+        assert not bool(nope_layer.attn_temperature_tuning)
+    assert bool(nope_layer.attn_temperature_tuning)
+
+
+def test_latent_attention_pools_k_wide_heads_and_refuses_v_wider_than_k():
+    config, _ = SUPPORTED["DeepSeek-V2 (latent attention, K 24 wide, V 16)"]()
+    assert model_support.head_dim(config) == 24 and not model_support.config_reasons(config)
+    config.v_head_dim = 32
+    assert any("V head size 32 is wider than K head size 24" in r for r in model_support.config_reasons(config))
