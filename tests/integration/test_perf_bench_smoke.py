@@ -29,16 +29,15 @@ def number_after(pattern: str, text: str) -> float:
 
 @pytest.mark.slow
 def test_throughput_quick():
-    out = run_bench("throughput.py", "--dtypes", "float32", "--llama-np", "2")
+    # pagedserve and the transformers baselines; the anchors (v, l) are set up by their scripts, not CI,
+    # and their absence is tested below: a machine that has them would spend minutes on them here
+    out = run_bench("throughput.py", "--dtypes", "float32", "--systems", "abc")
     for system in ("(a) pagedserve", "(b) transformers generate", "(c) transformers continuous batching"):
         assert system in out, out
     assert number_after(r"\(a\) pagedserve, REST API, all requests at once\s+float32\s+[0-9.]+", out) > 0
     assert number_after(r"ratio \(a\)/\(b\) float32:", out) > 0
     # (c) either ran and has a ratio, or the output says why it could not run
     assert "ratio (a)/(c) float32:" in out or re.search(r"\(c\) transformers continuous batching.* not run:", out), out
-    # the anchors either ran or say why not (bench/vllm_setup.sh and bench/llamacpp_setup.sh set them up, not CI)
-    assert "ratio (a)/(v) float32:" in out or re.search(r"\(v\) vLLM CPU build.* not run: .*vllm_setup", out), out
-    assert "ratio (a)/(l) float32:" in out or re.search(r"\(l\) llama.cpp.* not run: .*llamacpp_setup", out), out
     # greedy float32 on prompts of equal length (no padding): the same tokens as transformers
     assert "token check (a) vs (b) float32: 0 of 8 requests differ" in out, out
     assert "cpu check" in out and "machine:" in out
@@ -88,7 +87,7 @@ def test_overhead_quick():
         bare_ms, engine_ms, ratio = (float(x) for x in cells[0][1:4])
         assert bare_ms > 0 and engine_ms > 0 and ratio > 0, rows[0]
         breakdown = [float(x) for x in cells[1]]
-        assert len(breakdown) == 7 and breakdown[5] > 0, rows[1]   # the data plane's forward took time
+        assert len(breakdown) == 6 and breakdown[4] > 0, rows[1]   # the data plane's forward took time
     assert "goal <= 1.15" in out
 
 
