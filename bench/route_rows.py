@@ -1,11 +1,12 @@
 """Where the bfloat16 routes cross: every linear layer of SmolLM2's lean forward (120 products) at a
-given row count, through the kernel reading the GGUF codes and through oneDNN's packed GEMM.
+given row count, through the kernel reading the GGUF codes, the AVX512-BF16 kernel (where the build
+has it) and oneDNN's packed GEMM.
 
-    python bench/route_rows.py                  # rows 1, 2, 4, 8, 12, 16, 24, 32
+    python bench/route_rows.py                  # rows 1, 2, 4, 8, 12, 16, 24, 32, 64, 512
 
 The model is loaded in float32 and narrowed by the data plane's runner, as `--dtype bfloat16` serves
-it, so both routes multiply the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS is set from this.
-Best of three, each two passes over every layer (weights from memory, as in a step).
+it, so every route multiplies the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS is set from
+this. Best of three, each two passes over every layer (weights from memory, as in a step).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import _common as C  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,4,8,12,16,24,32")
+    ap.add_argument("--rows", default="1,2,4,8,12,16,24,32,64,512")
     ap.add_argument("--num-threads", type=int, default=2)
     args = ap.parse_args(argv)
     import torch
@@ -33,22 +34,28 @@ def main(argv=None) -> int:
     model = C.load_hf_model(args.num_threads, device="cpu")
     runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://routes", dtype="bfloat16",
                                                 kv_cache_blocks=16), torch.device("cpu"))
+    from ops import linear
     layers = runner.lean.linears()
-    if any(lin.codes is None or lin.packed is None for lin in layers):
-        print("not run: some layer lacks its codes or oneDNN's packed weight")
+    if any(lin.codes is None for lin in layers):
+        print("not run: some layer lacks its codes")
         return 1
     kernel = layers[0].kernel
+    # each layer's weight laid out for every route, whichever the runner chose
+    onednn = [linear._pack(lin.weight) for lin in layers] if linear.has_packed_bf16_gemm() else None
+    dot = [kernel.bf16_pack(lin.weight) for lin in layers] if kernel.has_bf16_dot() else None
+    routes = {"codes": lambda i, x: layers[i].codes.linear(kernel, x)}
+    if dot is not None:
+        routes["AVX512-BF16"] = lambda i, x: kernel.bf16_linear(x, dot[i])
+    if onednn is not None:
+        routes["oneDNN"] = lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+    print(f"the runner's route for many rows: {'AVX512-BF16' if layers[0].dot is not None else 'oneDNN'}")
 
-    def time_route(route: str, rows: int) -> float:
+    def time_route(route, rows: int) -> float:
         inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).bfloat16() for lin in layers}
 
         def once():
-            for lin in layers:
-                x = inputs[lin.weight.shape[1]]
-                if route == "codes":
-                    lin.codes.linear(kernel, x)
-                else:
-                    torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+            for i, lin in enumerate(layers):
+                route(i, inputs[lin.weight.shape[1]])
         once()
         best = float("inf")
         for _ in range(3):
@@ -58,10 +65,10 @@ def main(argv=None) -> int:
             best = min(best, (time.perf_counter() - started) / 2)
         return best * 1e3
 
-    print(f"{'rows':>5} {'codes ms':>9} {'oneDNN ms':>10}")
+    print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>15}" for name in routes))
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            print(f"{rows:>5} {time_route('codes', rows):>9.1f} {time_route('onednn', rows):>10.1f}", flush=True)
+            print(f"{rows:>5} " + " ".join(f"{time_route(fn, rows):>15.1f}" for fn in routes.values()), flush=True)
     return 0
 
 

@@ -1,10 +1,19 @@
 """Linear layers on CPU, routed by the weight's type and the number of rows a step brings.
 
-bfloat16: oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
-weight reordered once at start into oneDNN's blocked layout. Its results are bit for bit those of
-`F.linear` on the same bfloat16 tensors (which reorders the weight at every call), at every row count
-and whatever the batch; oneDNN picks the instructions the CPU has (AVX512-BF16 dot products, AMX tiles,
-or a float32 emulation where neither exists).
+bfloat16, by what the CPU has:
+
+- AVX512-BF16 dot products but no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake): the kernel of
+  kernels/cpu/bf16_linear.cpp on a weight laid out once at start for it. On SmolLM2's products it was
+  1.1x oneDNN's GEMM at 64-512 rows and 1.3-2x at 1-32 (bench/route_rows.py). Exact products and
+  float32 sums, as oneDNN's, in its own order: an output can be one bfloat16 step from `F.linear`'s
+  where the float32 sum sits by a rounding boundary (a few in 100,000 outputs). A row's result does not
+  depend on the other rows of the call.
+- otherwise oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
+  weight reordered once at start into oneDNN's blocked layout: bit for bit `F.linear` on the same
+  bfloat16 tensors (which reorders the weight at every call), at every row count and whatever the
+  batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
+- a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows
+  (a few rows are bound by reading the weights; codes are a third of the bytes).
 
 float32:
 
@@ -54,6 +63,15 @@ def has_packed_bf16_gemm() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def bf16_dot_kernel(kernel) -> bool:
+    """Whether bfloat16 products take the kernel's AVX512-BF16 route: the build has it, and the CPU has
+    no AMX tiles (oneDNN's AMX kernels are faster there)."""
+    if kernel is None or not kernel.has_bf16_dot():
+        return False
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return not (amx is not None and amx())
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight reordered once for its GEMM library (MKL for float32, oneDNN for bfloat16), or None."""
     if weight.dtype == torch.bfloat16:
@@ -81,14 +99,18 @@ class RoutedLinear:
         else:
             self.codes = codes if weight.dtype == torch.bfloat16 and isinstance(codes, quantized.Codes) \
                 and codes.rounds_to(self.kernel, weight) else None
-        # bfloat16 keeps oneDNN's copy for many rows beside the codes; float32 codes serve every row count
-        self.packed = _pack(weight) if packed and (self.codes is None or not wide) else None
+        # bfloat16 keeps a copy laid out for many rows beside the codes (for the AVX512-BF16 kernel where
+        # it is the route, else oneDNN's); float32 codes serve every row count
+        many_rows = packed and (self.codes is None or not wide)
+        self.dot = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.kernel is not None \
+            and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
+        self.packed = _pack(weight) if many_rows and self.dot is None else None
         self.skinny_max_rows = skinny_max_rows
 
     @property
     def routed(self) -> bool:
         few_rows = self.kernel is not None and self.weight.dtype == torch.float32   # the few-row kernel
-        return self.codes is not None or self.packed is not None or few_rows
+        return self.codes is not None or self.packed is not None or self.dot is not None or few_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -103,8 +125,11 @@ class RoutedLinear:
         calling every layer with the same rows skips the choice (llama_forward.py)."""
         weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
         if weight.dtype == torch.bfloat16:
-            if codes is not None and (rows <= BF16_CODES_MAX_ROWS or self.packed is None):
+            if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
                 return lambda x: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
+            if self.dot is not None:
+                dot = self.dot
+                return lambda x: kernel.bf16_linear(x, dot)
             if self.packed is not None:
                 packed = self.packed
                 return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -154,10 +179,11 @@ def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS
 
 def route_counts(linears) -> dict[str, int]:
     """How many of the RoutedLinear `linears` read codes, take the few-row kernel (those without
-    codes; they take the packed GEMM above its rows too) and have a packed GEMM weight."""
+    codes; they take the packed GEMM above its rows too) and have a weight laid out for a GEMM (oneDNN's
+    or the AVX512-BF16 kernel's)."""
     counts = {"codes": 0, "kernel": 0, "packed": 0}
     for routed in linears:
         counts["codes"] += routed.codes is not None
         counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.weight.dtype == torch.float32
-        counts["packed"] += routed.packed is not None
+        counts["packed"] += routed.packed is not None or routed.dot is not None
     return counts

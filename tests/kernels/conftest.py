@@ -150,3 +150,12 @@ def kt():
     """The helpers above, for test modules (importing a conftest by name is fragile in pytest)."""
     return SimpleNamespace(PagedBatch=PagedBatch, random_lens=random_lens, tol=TOLERANCES,
                            norm_tol=NORM_TOLERANCES, device=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The C++ CPU kernels; a failed build fails the test (CI's machines have a compiler)."""
+    from ops import cpu_kernels
+    module = cpu_kernels.load()
+    assert module is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
+    return module

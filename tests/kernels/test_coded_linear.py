@@ -3,17 +3,10 @@ Q8_0 codes expanded are found, give back every bit, and the kernel reading the c
 import pytest
 import torch
 
-from ops import cpu_kernels, linear, quantized
+from ops import linear, quantized
 from tests.helpers import q4_1_form, q8_0_form
 
 FORMS = {"q4_1": q4_1_form, "q8_0": q8_0_form}
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_kernels.load()
-    assert module is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
-    return module
 
 
 def _weight(kind, n, k, seed=0):
@@ -144,12 +137,14 @@ def test_bfloat16_rows_multiply_the_bfloat16_weights(kernel, kind):
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, narrow).float(), atol=1e-3, rtol=2 ** -7)
 
 
-def test_bfloat16_routes_codes_for_few_rows_and_onednn_for_many(kernel, monkeypatch):
+def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypatch):
     wide = _weight("q4_1", 64, 96, seed=5)
     narrow = wide.to(torch.bfloat16)
     routed = linear.RoutedLinear(narrow, None, kernel, packed=True, codes=quantized.find_codes(wide))
     assert routed.codes is not None
-    assert routed.packed is not None or not linear.has_packed_bf16_gemm()
+    # many rows: the AVX512-BF16 kernel where it is the route, else oneDNN's packed GEMM
+    assert (routed.dot is not None) == linear.bf16_dot_kernel(kernel)
+    assert routed.dot is not None or routed.packed is not None or not linear.has_packed_bf16_gemm()
     calls = []
     real = kernel.coded_linear
     monkeypatch.setattr(kernel, "coded_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
@@ -158,7 +153,7 @@ def test_bfloat16_routes_codes_for_few_rows_and_onednn_for_many(kernel, monkeypa
             x = torch.randn(rows, 96).to(torch.bfloat16)
             torch.testing.assert_close(routed(x).float(), torch.nn.functional.linear(x, narrow).float(),
                                        atol=1e-3, rtol=2 ** -7)
-    assert calls == [1, linear.BF16_CODES_MAX_ROWS] or routed.packed is None
+    assert calls == [1, linear.BF16_CODES_MAX_ROWS] or (routed.packed is None and routed.dot is None)
     # codes of another weight are not taken
     other = quantized.find_codes(_weight("q4_1", 64, 96, seed=6))
     assert linear.RoutedLinear(narrow, None, kernel, packed=True, codes=other).codes is None

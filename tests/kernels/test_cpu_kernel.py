@@ -14,13 +14,6 @@ from ops import attention, cpu_kernels
 from tests.kernels.conftest import PagedBatch, dense_attention
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_kernels.load()
-    assert module is not None, f"the CPU kernel did not build: {cpu_kernels.failure()}"
-    return module
-
-
 def _batch(seed, num_seqs, max_len, heads, kv_heads, head_dim, block_size, decode_only=True):
     rng = random.Random(seed)
     seq_lens = [rng.randint(1, max_len) for _ in range(num_seqs)]

@@ -1,0 +1,114 @@
+// y[M, N] = x[M, K] . W[N, K]^T in bfloat16 on the AVX512-BF16 dot product (VDPBF16PS), for CPUs that
+// have it but no AMX tiles (where oneDNN's AMX kernels are the faster route; ops/linear.py decides).
+//
+// Each product of two bfloat16 values is exact in float32 and the sums are float32, as in oneDNN's
+// bfloat16 GEMM; only the order of the sums differs (here: over k in pairs, front to back), so an
+// output can differ from oneDNN's in its last bfloat16 bit where the float32 sum sits next to a
+// rounding boundary. y is rounded to bfloat16 once, to nearest even.
+//
+// Layout (bf16_pack): output rows in groups of 16; for group g and input pair (2j, 2j + 1), 32 values,
+// lane l holding (W[16g + l, 2j], W[16g + l, 2j + 1]): one 64-byte load feeds one VDPBF16PS for 16
+// outputs. A thread takes a panel of up to 3 groups (48 outputs) and runs every tile of up to 8 rows of
+// x over it with 8 x 3 sixteen-lane accumulators: per input pair, 3 loads of weights and 8 broadcasts
+// of x's pair feed 24 dot products. The panel (K / 2 * 192 bytes) stays in L2 for all the tiles.
+#include "aten.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kGroup = 16;
+constexpr int64_t kPanelGroups = 3;
+constexpr int64_t kTileRows = 8;
+
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+#define PAGEDSERVE_BF16_DOT 1
+using pagedserve::bf16;
+
+// y[m0 .. m0 + R, 16 n0g .. 16 (n0g + V)) from groups [n0g, n0g + V) of the packed weight
+template <int R, int V>
+void tile(const bf16* x, const bf16* w, bf16* y, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
+  __m512 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  const bf16* wg = w + n0g * pairs * 2 * kGroup;
+  const bf16* xr = x + m0 * K;
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh wv[V];
+    for (int v = 0; v < V; ++v)
+      wv[v] = (__m512bh)_mm512_loadu_si512(wg + (v * pairs + j) * 2 * kGroup);
+    for (int i = 0; i < R; ++i) {
+      int32_t two;
+      std::memcpy(&two, xr + i * K + 2 * j, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(two);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) pagedserve::store16(y + (m0 + i) * N + (n0g + v) * kGroup, acc[i][v]);
+}
+
+template <int V>
+void tile_rows(int64_t rows, const bf16* x, const bf16* w, bf16* y, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
+  switch (rows) {
+    case 1: tile<1, V>(x, w, y, m0, n0g, K, N); break;
+    case 2: tile<2, V>(x, w, y, m0, n0g, K, N); break;
+    case 3: tile<3, V>(x, w, y, m0, n0g, K, N); break;
+    case 4: tile<4, V>(x, w, y, m0, n0g, K, N); break;
+    case 5: tile<5, V>(x, w, y, m0, n0g, K, N); break;
+    case 6: tile<6, V>(x, w, y, m0, n0g, K, N); break;
+    case 7: tile<7, V>(x, w, y, m0, n0g, K, N); break;
+    default: tile<8, V>(x, w, y, m0, n0g, K, N); break;
+  }
+}
+#endif
+
+}  // namespace
+
+bool has_bf16_dot() {
+#ifdef PAGEDSERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_pack(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(), "bf16_pack: W [N, K] bfloat16");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kGroup == 0 && K % 2 == 0, "bf16_pack: N a multiple of 16 and K even");
+  // [N / 16, K / 2, 16, 2]: row 16g + l, inputs (2j, 2j + 1) at [g, j, l]
+  return w.view({N / kGroup, kGroup, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(has_bf16_dot(), "bf16_linear: this build has no AVX512-BF16 dot product");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "bf16_linear: x [M, K] bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
+              packed.size(2) == kGroup && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
+              "bf16_linear: packed W [N / 16, K / 2, 16, 2] from bf16_pack, K matching x");
+  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), N = groups * kGroup;
+  auto y = at::empty({M, N}, x.options());
+#ifdef PAGEDSERVE_BF16_DOT
+  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t rows = std::min(kTileRows, M - m0);
+        if (count == 3) tile_rows<3>(rows, xp, wp, yp, m0, g0, K, N);
+        else if (count == 2) tile_rows<2>(rows, xp, wp, yp, m0, g0, K, N);
+        else tile_rows<1>(rows, xp, wp, yp, m0, g0, K, N);
+      }
+    }
+  });
+#endif
+  return y;
+}
