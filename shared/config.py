@@ -137,11 +137,11 @@ class DataPlaneConfig(CommonConfig):
                                 metavar="PORT")
     tensor_parallel_size: int = setting(1, "split the model over N ranks",
                                         commands=_BOTH_DP, metavar="N")
-    rendezvous: str | None = setting(None, "rank 0's group store, for ranks on several hosts",
+    rendezvous: str | None = setting(None, "rank 0's store, for ranks on several hosts",
                                      commands=(DATA_PLANE,), metavar="HOST:PORT", shown="local")
-    nnodes: int = setting(1, "hosts running the N ranks, N/M each", commands=(DATA_PLANE,),
+    nnodes: int = setting(1, "hosts running the N ranks", commands=(DATA_PLANE,),
                         metavar="M")
-    node_rank: int = setting(0, "this host's index: it runs ranks K*N/M on", commands=(DATA_PLANE,),
+    node_rank: int = setting(0, "this host's index (its ranks: K*N/M on)", commands=(DATA_PLANE,),
                              metavar="K")
     insecure: bool = setting(False, "let a data plane listen off loopback without --curve-keys",
                              commands=_BOTH_DP)
@@ -240,6 +240,8 @@ class ControlPlaneConfig(CommonConfig):
                                   shown="$PAGEDSERVE_API_KEY, else none")
     request_timeout: float | None = setting(None, "a request's deadline (a body's 'timeout' may lower it)", commands=_BOTH_CP,
                                             metavar="SECONDS", shown="no limit")
+    state_dir: str | None = setting(None, "owner tokens of --data-plane data planes, for a restart",
+                                    commands=_BOTH_CP, metavar="DIR", shown="~/.local/state/pagedserve")
     step_timeout: float = setting(30.0, "silence after which the data plane counts as hung", commands=_BOTH_CP, metavar="SECONDS")
     shutdown_grace: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish", commands=_BOTH_CP, metavar="SECONDS")
     log_interval: float = setting(5.0, "seconds between progress lines in the log",
@@ -263,6 +265,8 @@ class ControlPlaneConfig(CommonConfig):
             raise ConfigError("--data-parallel-size must be at least 1")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ConfigError("--request-timeout must be a positive number of seconds")
+        if self.state_dir is not None and os.path.exists(self.state_dir) and not os.path.isdir(self.state_dir):
+            raise ConfigError(f"--state-dir {self.state_dir} is not a folder")
         if not self.shutdown_grace >= 0:
             raise ConfigError("--shutdown-grace must not be negative")
         _check_key_folder(self.curve_keys, "client")
