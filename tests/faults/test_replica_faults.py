@@ -14,16 +14,9 @@ import time
 
 import pytest
 
-from tests.faults.cluster import STEP_TIMEOUT, Load, greedy_references, running_cluster, tally
+from tests.faults.cluster import STEP_TIMEOUT, Load, running_cluster, tally
 
 pytestmark = pytest.mark.faults
-NUM_PROMPTS = 8
-
-
-@pytest.fixture(scope="module")
-def references(tiny_model_dir):
-    """Prompts and transformers' greedy continuation of each."""
-    return greedy_references(tiny_model_dir, NUM_PROMPTS, seed=20)
 
 
 def start_replicas(cluster):

@@ -15,11 +15,10 @@ import time
 
 import pytest
 
-from tests.faults.cluster import DP_PORT, Cluster, Load, greedy_references, running_cluster, tally
+from tests.faults.cluster import DP_PORT, Cluster, Load, running_cluster, tally
 from tests.servers import ROOT, TEST_SWAP_SPACE_GIB
 
 pytestmark = pytest.mark.faults
-NUM_PROMPTS = 6
 RENDEZVOUS_PORT = 29500
 NODES = {"b": 0, "c": 1}        # host -> its --node-rank
 
@@ -47,11 +46,6 @@ class TensorParallelCluster(Cluster):
                 raise AssertionError(f"the rank on host {host} outlived its group:\n{self.read_log('rank-' + host)[-3000:]}")
             time.sleep(0.1)
         return self.dp[host].returncode
-
-
-@pytest.fixture(scope="module")
-def references(tiny_model_dir):
-    return greedy_references(tiny_model_dir, NUM_PROMPTS, seed=21)
 
 
 def start_group(cluster):
