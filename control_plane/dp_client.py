@@ -159,15 +159,18 @@ class DataPlaneClient:
     async def handshake(self, timeout: float, refusal_grace: float = REFUSAL_GRACE_SECONDS) -> P.Handshake:
         deadline = time.monotonic() + timeout
         refused_at = None
+        if self.tokens is not None and self.tokens.held_elsewhere(self.address):
+            refusal_grace = 0.0   # the control plane that holds its token runs on this host: it is not gone
         while True:
             try:
                 hs = await self._request(P.HELLO, P.Hello(self.token), P.HANDSHAKE,
                                          max(deadline - time.monotonic(), 0.0), resend_on_drop=True)
             except DataPlaneRefused as exc:
                 now = time.monotonic()
+                if refused_at is None and refusal_grace > 0:
+                    log.warning("%s; asking again for up to %.0fs in case its owner is gone", exc, refusal_grace)
                 if refused_at is None:
                     refused_at = now
-                    log.warning("%s; asking again for up to %.0fs in case its owner is gone", exc, refusal_grace)
                 if now - refused_at >= refusal_grace or now >= deadline:
                     raise
                 await asyncio.sleep(HELLO_RETRY_SECONDS)

@@ -10,7 +10,8 @@ mode 0600 (a token lets its holder take the data plane over), written whole and 
 place. Beside it, owner-<hash>.lock is held with flock(LOCK_EX) for as long as this process
 lives; the kernel releases it when the process ends, however it ends. A second control plane
 started while the first one runs finds the lock taken: it does not read the token, and so the
-data plane refuses it as it refuses any stranger while its owner's link is up.
+data plane refuses it as it refuses any stranger while its owner's link is up; it gives up at
+the first refusal (the holder lives), where one without a saved token asks again for a while.
 """
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ class OwnerTokens:
                             address)
             self._locks[address] = fd
         return self._locks[address] is not None
+
+    def held_elsewhere(self, address: str) -> bool:
+        """Whether another live process on this host holds the token of `address`."""
+        return self.usable and not self._claim(address)
 
     def load(self, address: str) -> str | None:
         """The token saved for `address`, if this process may use it and one is saved."""

@@ -25,8 +25,10 @@ def test_the_token_is_saved_whole_and_private(tmp_path):
 def test_a_live_holder_keeps_the_token_from_a_second_process(tmp_path):
     first = OwnerTokens(str(tmp_path))
     first.save("ipc:///x", "abc")
+    assert not first.held_elsewhere("ipc:///x")
     second = OwnerTokens(str(tmp_path))
     assert second.load("ipc:///x") is None      # the first one lives: its lock is held
+    assert second.held_elsewhere("ipc:///x")
     second.save("ipc:///x", "mine")             # and the second cannot overwrite it
     first.close()
     third = OwnerTokens(str(tmp_path))
