@@ -9,7 +9,8 @@ The link is watched two ways, so that /health follows it within a second of a de
   close the link to a peer that goes silent without closing (SIGSTOP, a lost network).
 
 Ownership: the first handshake makes this control plane the data plane's owner and gives it a
-token; every later HELLO (after a reconnect) carries it. A data plane owned by another live
+token; every later HELLO (after a reconnect) carries it. With `tokens` (an OwnerTokens) the
+token is also kept on disk, and a control plane started again begins with it (owner_tokens.py). A data plane owned by another live
 control plane answers ERROR: `handshake` keeps asking for a few seconds (the other one may be
 gone, and its link not yet closed) and then raises DataPlaneRefused.
 """
@@ -54,12 +55,14 @@ class DataPlaneRefused(DataPlaneDead):
 
 
 class DataPlaneClient:
-    def __init__(self, address: str, curve_keys: str | None = None):
+    def __init__(self, address: str, curve_keys: str | None = None, tokens=None):
         self.address = address
+        self.tokens = tokens              # control_plane.owner_tokens.OwnerTokens, or None
         # CURVE: the link is encrypted and the data plane admits us only with the client key
         self.curve = curve.load_client_keys(curve_keys) if curve_keys else None
         self.alive_check: Callable[[], bool] | None = None   # False once the data-plane process is gone
-        self.token: str | None = None     # our owner token, once a handshake gave us one
+        # our owner token: one a handshake gave us, or one a previous run of this control plane kept
+        self.token: str | None = tokens.load(address) if tokens is not None else None
         self._link_up = False             # the monitor's view: a ZMTP session is established
         self.link_drops = 0               # disconnects seen so far
         self.ctx = zmq.asyncio.Context.instance()
@@ -156,20 +159,25 @@ class DataPlaneClient:
     async def handshake(self, timeout: float, refusal_grace: float = REFUSAL_GRACE_SECONDS) -> P.Handshake:
         deadline = time.monotonic() + timeout
         refused_at = None
+        if self.tokens is not None and self.tokens.held_elsewhere(self.address):
+            refusal_grace = 0.0   # the control plane that holds its token runs on this host: it is not gone
         while True:
             try:
                 hs = await self._request(P.HELLO, P.Hello(self.token), P.HANDSHAKE,
                                          max(deadline - time.monotonic(), 0.0), resend_on_drop=True)
             except DataPlaneRefused as exc:
                 now = time.monotonic()
+                if refused_at is None and refusal_grace > 0:
+                    log.warning("%s; asking again for up to %.0fs in case its owner is gone", exc, refusal_grace)
                 if refused_at is None:
                     refused_at = now
-                    log.warning("%s; asking again for up to %.0fs in case its owner is gone", exc, refusal_grace)
                 if now - refused_at >= refusal_grace or now >= deadline:
                     raise
                 await asyncio.sleep(HELLO_RETRY_SECONDS)
                 continue
             self.token = hs.owner_token
+            if self.tokens is not None:
+                self.tokens.save(self.address, self.token)
             return hs
 
     async def step(self, plan: P.StepPlan, timeout: float) -> P.StepResult:

@@ -88,11 +88,13 @@ def spawn(args, num: int) -> tuple[list[str], list[SpawnedDataPlane]]:
     return addresses, children
 
 
-async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlane | None, stop: asyncio.Event):
+async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlane | None, stop: asyncio.Event,
+                  tokens=None):
     """(client, handshake) once the data plane at `address` answers; (None, None) if `stop` is set
-    first. Raises SystemExit if `child`, the process meant to answer, exits before it does."""
+    first. Raises SystemExit if `child`, the process meant to answer, exits before it does.
+    `tokens`: where owner tokens are kept (control_plane/owner_tokens.py), or None."""
     from control_plane.dp_client import DataPlaneClient, DataPlaneRefused
-    client = DataPlaneClient(address, cp.curve_keys)
+    client = DataPlaneClient(address, cp.curve_keys, tokens)
     task = asyncio.ensure_future(client.handshake(HANDSHAKE_TIMEOUT))
     try:
         while not task.done():
@@ -122,11 +124,12 @@ async def connect(cp: C.ControlPlaneConfig, address: str, child: SpawnedDataPlan
     return client, hs
 
 
-async def connect_replicas(cp: C.ControlPlaneConfig, addresses: list[str], children: list, stop: asyncio.Event):
+async def connect_replicas(cp: C.ControlPlaneConfig, addresses: list[str], children: list, stop: asyncio.Event,
+                           tokens=None):
     """connect() for every replica. Spawned data planes are all waited for. Data planes started
     elsewhere are waited for until the first answers, and then --step-timeout more: a replica still
     silent then is (None, None) here, and its engine connects while the others serve."""
-    tasks = [asyncio.ensure_future(connect(cp, a, c, stop)) for a, c in zip(addresses, children)]
+    tasks = [asyncio.ensure_future(connect(cp, a, c, stop, tokens)) for a, c in zip(addresses, children)]
     try:
         if any(c is not None for c in children) or len(tasks) == 1:
             return await asyncio.gather(*tasks)

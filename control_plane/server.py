@@ -18,6 +18,7 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
     """`children`: the spawned data-plane processes, one per address, or empty when they run elsewhere."""
     from control_plane.dp_client import DataPlaneClient
     from control_plane.engine import Engine
+    from control_plane.owner_tokens import OwnerTokens
     from control_plane.router import Router
 
     loop = asyncio.get_running_loop()
@@ -28,8 +29,10 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
     tokenizer_task = loop.run_in_executor(None, launch.load_tokenizer, cp.model)
     log.info("waiting for the data plane%s at %s%s", "s" if len(addresses) > 1 else "", ", ".join(addresses),
              " (CURVE)" if cp.curve_keys else "")
+    # data planes started elsewhere outlive us: their owner tokens are kept for our next run
+    tokens = None if children else OwnerTokens(cp.state_dir)
     children = children or [None] * len(addresses)
-    connected = await launch.connect_replicas(cp, addresses, children, stop)
+    connected = await launch.connect_replicas(cp, addresses, children, stop, tokens)
     if stop.is_set():
         log.info("stopped before the data planes answered")
         for client, _ in connected:
@@ -42,7 +45,7 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
     first_hs = next(hs for _, hs in connected if hs is not None)
     for i, ((client, hs), child) in enumerate(zip(connected, children)):
         if hs is None:   # a replica down at start: its engine connects first (engine.run), then serves
-            engine = Engine(cp, DataPlaneClient(addresses[i], cp.curve_keys), first_hs, tokenizer)
+            engine = Engine(cp, DataPlaneClient(addresses[i], cp.curve_keys, tokens), first_hs, tokenizer)
             engine.start_unconnected()
             engines.append(engine)
             continue
@@ -62,6 +65,8 @@ async def run_server(cp: C.ControlPlaneConfig, addresses: list[str], children: l
         if child is not None:
             await e.client.shutdown()
         e.client.close()
+    if tokens is not None:
+        tokens.close()
 
 
 async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Event, hurry: asyncio.Event,

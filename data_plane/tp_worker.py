@@ -30,6 +30,12 @@ FORWARDED = (P.STEP_PLAN, P.SHUTDOWN)
 EXIT_GROUP_LOST = 3
 
 
+def group_lost(exc: BaseException) -> bool:
+    """Whether `exc`, raised inside a step, is a failed collective rather than a fault of the step:
+    NCCL raises DistError; gloo raises a plain RuntimeError from its transport."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
+
+
 def die(comm: TP.Comm, exc: BaseException) -> None:
     """Ends this process at once: the group is broken and a clean shutdown would wait on dead peers."""
     log.critical("tensor-parallel rank %d of %d lost its group (%s: %s); exiting", comm.rank, comm.world_size,
@@ -54,8 +60,10 @@ class _LeaderRunner:
     def execute(self, plan: P.StepPlan) -> P.StepResult:
         try:
             return self.runner.execute(plan)
-        except dist.DistError as exc:
-            die(self.comm, exc)
+        except Exception as exc:
+            if group_lost(exc):   # never answered as a failed step: the control plane would blame its requests
+                die(self.comm, exc)
+            raise
 
 
 class LeaderWorker(Worker):
@@ -119,7 +127,8 @@ def follow(runner, comm: TP.Comm) -> int:
             return 0
         try:
             runner.execute(message)
-        except dist.DistError as exc:
-            die(comm, exc)
-        except Exception:   # rank 0 meets the same plan error and answers it; nothing to do here
+        except Exception as exc:
+            if group_lost(exc):
+                die(comm, exc)
+            # rank 0 meets the same plan error and answers it; nothing to do here
             log.debug("rank %d: step %d failed", comm.rank, message.step_id, exc_info=True)

@@ -6,8 +6,9 @@ Frames that do not decode are logged and dropped: they never stop the loop.
 One control plane owns the data plane (two would each fill the same KV pool and sequence table
 with their own ids and corrupt each other's answers):
 - the first HELLO makes its sender the owner and hands it a random token;
-- the owner's HELLO from a new socket (it reconnected) carries the token and moves ownership
-  to that socket;
+- the owner's HELLO from a new socket (it reconnected, or it was restarted and read the token it
+  had saved, control_plane/owner_tokens.py) carries the token and moves ownership to that
+  socket at once, even while the old socket's link still looks up;
 - a HELLO from anyone else is refused with an ERROR frame while the owner's link is up;
   once it is down (the owner's process ended, or it went silent past the ZMTP heartbeat
   timeout and the link was closed), the newcomer takes over: a restarted control plane
@@ -87,7 +88,8 @@ class Worker:
             if hello.token is not None and hello.token == self.owner_token:
                 # it says HELLO again only after it declared this data plane gone (hung, cut off):
                 # it has moved or re-queued every sequence, and sends the ones it keeps here anew
-                log.info("the owning control plane reconnected; its sequences here are forgotten")
+                log.info("the owning control plane reconnected (or was restarted with its saved token); its "
+                         "sequences here are forgotten")
                 self._forget_sequences()
             elif self._owner_link_up():
                 if self._once(peer, "refused"):

@@ -137,6 +137,12 @@ class DataPlaneConfig(CommonConfig):
                                 metavar="PORT")
     tensor_parallel_size: int = setting(1, "split the model over N ranks",
                                         commands=_BOTH_DP, metavar="N")
+    rendezvous: str | None = setting(None, "rank 0's store, for ranks on several hosts",
+                                     commands=(DATA_PLANE,), metavar="HOST:PORT", shown="local")
+    nnodes: int = setting(1, "hosts running the N ranks", commands=(DATA_PLANE,),
+                        metavar="M")
+    node_rank: int = setting(0, "this host's index (its ranks: K*N/M on)", commands=(DATA_PLANE,),
+                             metavar="K")
     insecure: bool = setting(False, "let a data plane listen off loopback without --curve-keys",
                              commands=_BOTH_DP)
     lean_forward: bool = setting(True, "use transformers' forward, not pagedserve's lean Llama one (CPU)", flags=("--no-lean-forward",),
@@ -166,6 +172,7 @@ class DataPlaneConfig(CommonConfig):
             raise ConfigError("--max-model-len must be positive")
         if self.tensor_parallel_size < 1:
             raise ConfigError("--tensor-parallel-size must be at least 1")
+        self._check_nodes()
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a TCP port (0: off)")
         from shared.curve import is_loopback
@@ -177,6 +184,27 @@ class DataPlaneConfig(CommonConfig):
         _check_key_folder(self.curve_keys, "server")
         split_model_path(self.model)
         return self
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} must divide --tensor-parallel-size "
+                              f"{self.tensor_parallel_size}: every host runs the same number of ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is not in [0, {self.nnodes}) (--nnodes {self.nnodes})")
+        if self.rendezvous is not None:
+            rendezvous_address(self.rendezvous)
+        elif self.nnodes > 1:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --rendezvous HOST:PORT: an address of the host of "
+                              "node 0, where every host's ranks meet")
+
+
+def rendezvous_address(value: str) -> tuple[str, int]:
+    """(host, port) of a --rendezvous HOST:PORT ([IPv6]:PORT for an IPv6 address)."""
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rendezvous {value}: give HOST:PORT, e.g. 10.0.0.1:29500")
+    return host, int(port)
 
 
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -212,6 +240,8 @@ class ControlPlaneConfig(CommonConfig):
                                   shown="$PAGEDSERVE_API_KEY, else none")
     request_timeout: float | None = setting(None, "a request's deadline (a body's 'timeout' may lower it)", commands=_BOTH_CP,
                                             metavar="SECONDS", shown="no limit")
+    state_dir: str | None = setting(None, "owner tokens of --data-plane data planes, for a restart",
+                                    commands=_BOTH_CP, metavar="DIR", shown="~/.local/state/pagedserve")
     step_timeout: float = setting(30.0, "silence after which the data plane counts as hung", commands=_BOTH_CP, metavar="SECONDS")
     shutdown_grace: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish", commands=_BOTH_CP, metavar="SECONDS")
     log_interval: float = setting(5.0, "seconds between progress lines in the log",
@@ -235,6 +265,8 @@ class ControlPlaneConfig(CommonConfig):
             raise ConfigError("--data-parallel-size must be at least 1")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ConfigError("--request-timeout must be a positive number of seconds")
+        if self.state_dir is not None and os.path.exists(self.state_dir) and not os.path.isdir(self.state_dir):
+            raise ConfigError(f"--state-dir {self.state_dir} is not a folder")
         if not self.shutdown_grace >= 0:
             raise ConfigError("--shutdown-grace must not be negative")
         _check_key_folder(self.curve_keys, "client")

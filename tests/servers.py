@@ -125,7 +125,8 @@ class SplitServer(Server):
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane.cli", "control-plane", "--model", model, "--port", str(self.port),
-             "--data-plane", self.dp_address, "--log-interval", "2", *extra_cp],
+             "--data-plane", self.dp_address, "--log-interval", "2",
+             "--state-dir", os.path.join(tmp_dir, f"{name}-state"), *extra_cp],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
     def dp_log(self) -> str:

@@ -13,6 +13,7 @@ fault lasts a few times that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from shared import curve
 from tests.faults.netbed import NetBed
 from tests.servers import ROOT, TEST_SWAP_SPACE_GIB
 
@@ -73,6 +75,7 @@ class Cluster:
         self.proxy: subprocess.Popen | None = None
         self.url = f"http://{bed.address['a']}:{API_PORT}"
         self.starts = 0   # control planes started so far (each gets its own log)
+        self.state_dir = os.path.join(log_dir, "state")   # the control planes' owner tokens
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.log_dir, f"{name}.log")
@@ -105,7 +108,7 @@ class Cluster:
         cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", "--model", self.model, "--host",
                self.bed.address["a"], "--port", str(port), "--curve-keys", self.keys, "--step-timeout",
                str(STEP_TIMEOUT), "--request-timeout", str(REQUEST_TIMEOUT), "--log-interval", "5",
-               "--generation-config", "vllm"]
+               "--generation-config", "vllm", "--state-dir", self.state_dir]
         for address in self.replica_addresses():
             cmd += ["--data-plane", address]
         return cmd
@@ -194,6 +197,22 @@ class Cluster:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def running_cluster(model: str, tmp, start, cls=Cluster):
+    """A bed of hosts a, b, c, d with CURVE keys, and a `cls` on it whose processes start(cluster)
+    starts; yielded once /health says ok. Every process and the bed are gone after, also on failure."""
+    keys = str(tmp / "keys")
+    curve.keygen(keys)
+    with NetBed(["a", "b", "c", "d"]) as bed:
+        cluster = cls(bed, model, keys, str(tmp))
+        try:
+            start(cluster)
+            cluster.wait_health("ok")
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 class Load:

@@ -14,36 +14,22 @@ import time
 
 import pytest
 
-from shared import curve
-from tests.faults.cluster import STEP_TIMEOUT, Cluster, Load, greedy_references, tally
-from tests.faults.netbed import NetBed
+from tests.faults.cluster import STEP_TIMEOUT, Load, running_cluster, tally
 
 pytestmark = pytest.mark.faults
-NUM_PROMPTS = 8
 
 
-@pytest.fixture(scope="module")
-def references(tiny_model_dir):
-    """Prompts and transformers' greedy continuation of each."""
-    return greedy_references(tiny_model_dir, NUM_PROMPTS, seed=20)
+def start_replicas(cluster):
+    cluster.start_data_plane("b")
+    cluster.start_data_plane("c")
+    cluster.start_proxy()
+    cluster.start_control_plane()
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("faults")
-    keys = str(tmp / "keys")
-    curve.keygen(keys)
-    with NetBed(["a", "b", "c", "d"]) as bed:
-        c = Cluster(bed, tiny_model_dir, keys, str(tmp))
-        try:
-            c.start_data_plane("b")
-            c.start_data_plane("c")
-            c.start_proxy()
-            c.start_control_plane()
-            c.wait_health("ok")
-            yield c
-        finally:
-            c.stop()
+    with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("faults"), start_replicas) as c:
+        yield c
 
 
 def run_load(cluster, references, during, workers: int = 4):
@@ -144,8 +130,12 @@ def test_a_slow_lossy_link_delays_but_loses_nothing(cluster, references):
     assert cluster.metric("pagedserve_replicas_up") == 2
 
 
+TAKEN_BY_TOKEN = "the owning control plane reconnected (or was restarted with its saved token)"
+
+
 def test_a_restarted_control_plane_takes_over_the_running_data_planes(cluster, references):
     dp_pids = {h: p.pid for h, p in cluster.dp.items()}
+    taken = {h: cluster.read_log(f"data-plane-{h}").count(TAKEN_BY_TOKEN) for h in cluster.dp}
 
     def restart(load):
         cluster.cp.send_signal(signal.SIGTERM)
@@ -158,6 +148,10 @@ def test_a_restarted_control_plane_takes_over_the_running_data_planes(cluster, r
     # requests in flight when the control plane dies may fail, clearly, never wrongly
     run_load(cluster, references, restart)
     assert {h: p.pid for h, p in cluster.dp.items()} == dp_pids          # the same data planes serve
+    # taken over at its first HELLO, with the owner tokens its previous run kept (--state-dir),
+    # not after the data planes noticed the old link gone
+    assert all(cluster.read_log(f"data-plane-{h}").count(TAKEN_BY_TOKEN) == taken[h] + 1 for h in cluster.dp)
+    assert "using the owner token saved for" in cluster.cp_log() and "asking again" not in cluster.cp_log()
     assert all(p.poll() is None for p in cluster.dp.values())
     result = run_load(cluster, references, lambda load: load.wait(2.0))
     assert result.failed == 0 and result.served > 0
@@ -171,7 +165,10 @@ def test_a_second_live_control_plane_is_refused(cluster, references):
     except subprocess.TimeoutExpired:
         second.kill()
         raise AssertionError("a second control plane was not refused:\n" + cluster.read_log("second-control-plane"))
-    assert code != 0 and "refused" in cluster.read_log("second-control-plane")
+    second_log = cluster.read_log("second-control-plane")
+    # the first one holds the owner tokens' locks: the second cannot use them, and the data planes refuse it
+    assert code != 0 and "another control plane on this host holds" in second_log
+    assert "already serves another control plane" in second_log
     result = run_load(cluster, references, lambda load: load.wait(1.0))   # the first one serves on
     assert result.failed == 0 and result.served > 0
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from control_plane.dp_client import DataPlaneClient, DataPlaneDead, DataPlaneRefused
+from control_plane.owner_tokens import OwnerTokens
 from data_plane.worker import Worker
 from shared import protocol as P
 from tests.servers import free_port
@@ -82,6 +83,39 @@ def test_a_restarted_control_plane_takes_over_when_the_owners_link_is_gone(worke
         finally:
             restarted.close()
     asyncio.run(run())
+
+
+def test_a_restarted_control_plane_takes_over_at_once_and_a_second_live_one_is_refused(worker, tmp_path):
+    state = str(tmp_path)
+
+    async def run():
+        run1 = OwnerTokens(state)
+        old = DataPlaneClient(worker.listen, tokens=run1)
+        token = (await old.handshake(5)).owner_token
+        assert (await old.step(P.StepPlan(1), 5)).step_id == 1
+        # a second control plane on this host while the first runs: it cannot read the token, and
+        # the data plane refuses it (no grace: the owner's link is up)
+        rival = DataPlaneClient(worker.listen, tokens=OwnerTokens(state))
+        assert rival.token is None
+        with pytest.raises(DataPlaneRefused, match="already serves another control plane"):
+            await rival.handshake(5)   # at the first refusal: the holder of the token lives
+        rival.close()
+        # the first one dies in a way its link does not show yet (a frozen or cut-off host): its
+        # socket stays open, only its process's lock is gone
+        run1.close()
+        run2 = OwnerTokens(state)
+        restarted = DataPlaneClient(worker.listen, tokens=run2)
+        assert restarted.token == token
+        hs = await restarted.handshake(5, refusal_grace=0.0)   # taken over at the first HELLO
+        assert hs.owner_token == token
+        assert (await restarted.step(P.StepPlan(2), 5)).step_id == 2
+        with pytest.raises(DataPlaneRefused):   # the old socket lost the data plane
+            await old.step(P.StepPlan(3), 5)
+        old.close()
+        restarted.close()
+        run2.close()
+    asyncio.run(run())
+    assert [p.step_id for p in worker.runner.plans] == [1, 2]
 
 
 def test_a_dropped_link_fails_the_wait_at_once():
