@@ -20,7 +20,9 @@
 // bfloat16 x and y (a bfloat16 model whose weights are these codes expanded, then rounded to
 // bfloat16): the expansion rounds each weight to bfloat16 as well, so the kernel multiplies the
 // model's very bfloat16 weights by bfloat16 inputs; each product is exact in float32 and the sum is
-// float32, as in oneDNN's bfloat16 GEMM, only in another order. y is rounded once at the end.
+// float32, as in oneDNN's bfloat16 GEMM, only in another order. y is rounded once at the end. Where
+// the CPU has AVX512-BF16, up to 4 rows pair the rounded weights and sum with its dot product, in
+// kernels/cpu/bf16_linear.cpp's order (the same bits as that kernel).
 #include "aten.h"
 
 #include <algorithm>
@@ -266,6 +268,61 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
 }
 #endif
 
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+#define PAGEDSERVE_CODES_BF16_DOT 1
+// bfloat16 x and y, M <= kDirectRows: the weights of inputs 2j and 2j + 1 are expanded and rounded to
+// bfloat16 as above, then paired lane by lane (W[l, 2j] in the low half, W[l, 2j + 1] in the high one)
+// and multiplied by x's pairs with VDPBF16PS, one instruction for two inputs. Over j front to back from
+// zero, as kernels/cpu/bf16_linear.cpp sums: the codes route gives that kernel's bits for the same
+// bfloat16 weights, so a row's result does not depend on which of the two routes its step took.
+inline __m512bh pair_bf16(__m512 even, __m512 odd) {
+  // cvtne2ps: odd's 16 values in the high 256 bits, even's in the low; then interleave the halves
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (__m512bh)_mm512_permutexvar_epi16(order, both);
+}
+
+template <int M>
+void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64_t N) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  const at::Half* scales = w.scales + g * blocks * kGroup;
+  auto step = [&](int64_t j, __m512bh pair) {
+    for (int r = 0; r < M; ++r) {
+      int32_t two;
+      std::memcpy(&two, x + r * K + 2 * j, 4);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(two), pair);
+    }
+  };
+  if (w.mins != nullptr) {
+    const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
+    const at::Half* mins = w.mins + g * blocks * kGroup;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
+        const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d), m);
+        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d), m);
+        step(j, pair_bf16(lo, hi));
+      }
+    }
+  } else {
+    const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 d = load_half16(scales + b * kGroup);
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        const __m512i c0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * kGroup)));
+        const __m512i c1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * kGroup)));
+        step(j, pair_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(c0), d), _mm512_mul_ps(_mm512_cvtepi32_ps(c1), d)));
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) pagedserve::store16(y + r * N + g * kGroup, acc[r]);
+}
+#endif
+
 template <typename T>
 void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t groups) {
   const int64_t K = w.K, N = groups * kGroup;
@@ -306,6 +363,23 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
   if (x.scalar_type() == at::kFloat) {
     coded_rows(w, x.data_ptr<float>(), y.data_ptr<float>(), M, groups);
   } else {
+#ifdef PAGEDSERVE_CODES_BF16_DOT
+    if (M >= 1 && M <= kDirectRows) {
+      const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+      auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+      at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) {
+          switch (M) {
+            case 1: direct_group_dot<1>(w, g, xp, yp, groups * kGroup); break;
+            case 2: direct_group_dot<2>(w, g, xp, yp, groups * kGroup); break;
+            case 3: direct_group_dot<3>(w, g, xp, yp, groups * kGroup); break;
+            default: direct_group_dot<4>(w, g, xp, yp, groups * kGroup); break;
+          }
+        }
+      });
+      return y;
+    }
+#endif
     // x widened to float32 once (exact), not at each of its uses by every group of outputs
     const auto wide = x.to(at::kFloat);
     coded_rows(w, wide.data_ptr<float>(), reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()), M, groups);
