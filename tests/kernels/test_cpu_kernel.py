@@ -124,11 +124,11 @@ def test_bad_block_id_is_an_error_not_a_crash(kernel):
 
 def test_backend_reports_the_kernel_and_its_fallbacks(kernel, monkeypatch):
     cpu = torch.device("cpu")
-    assert attention.backend(cpu, torch.float32).startswith("cpu kernel")
-    assert attention.backend(cpu, torch.bfloat16).startswith("cpu kernel")
-    assert attention.backend(cpu, torch.float16).startswith("torch reference (the CPU kernel is float32 and bfloat16")
+    assert attention.choose(cpu, torch.float32).describe().startswith("cpu kernel")
+    assert attention.choose(cpu, torch.bfloat16).describe().startswith("cpu kernel")
+    assert attention.choose(cpu, torch.float16).describe().startswith("torch reference (the CPU kernel is float32 and bfloat16")
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
-    assert attention.backend(cpu, torch.float32) == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
+    assert attention.choose(cpu, torch.float32).describe() == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
 
 
 # --- the few-row linear kernel ---------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
 
 def test_backend_names_the_reason_off_the_cpu(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_TRITON", "0")
-    assert attention.backend(torch.device("cuda"), torch.float32) == \
+    assert attention.choose(torch.device("cuda"), torch.float32).describe() == \
         "torch reference (Triton turned off by PAGEDSERVE_TRITON=0)"
 
 
