@@ -267,8 +267,9 @@ class ModelRunner:
                                 f"table has {len(st.block_ids)}")
             table = st.block_ids
             if self.sliding_window and FREED_BLOCK_ID in table:   # -1 only comes with a window
+                # freed entries lie before the block of `begin`, so no slot below reads one; the
+                # attention reads the runner's BlockTables, which hold 0 there
                 self._check_freed(seq_id, table, begin)
-                table = [0 if b == FREED_BLOCK_ID else b for b in table]   # never read (see _check_freed)
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))

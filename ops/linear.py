@@ -84,6 +84,10 @@ class RoutedLinear:
         # bfloat16 keeps oneDNN's copy for many rows beside the codes; float32 codes serve every row count
         self.packed = _pack(weight) if packed and (self.codes is None or not wide) else None
         self.skinny_max_rows = skinny_max_rows
+        # the route of each row count, chosen on its first call: routes differ only up to a few rows,
+        # so every count from `_rows_cap` on shares one entry
+        self._rows_cap = 1 + max(BF16_CODES_MAX_ROWS, skinny_max_rows)
+        self._by_rows: dict[int, object] = {}
 
     @property
     def routed(self) -> bool:
@@ -94,7 +98,11 @@ class RoutedLinear:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        out = self.route(rows)(x.reshape(rows, x.shape[-1]).contiguous())
+        key = min(rows, self._rows_cap)
+        route = self._by_rows.get(key)
+        if route is None:
+            route = self._by_rows[key] = self.route(key)
+        out = route(x.reshape(rows, x.shape[-1]).contiguous())
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def route(self, rows: int):

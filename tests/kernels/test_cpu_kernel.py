@@ -181,6 +181,20 @@ def test_model_layers_route_by_rows_and_keep_hooks(kernel, monkeypatch):
     assert len(hooked) == 6                                  # every forward, routed or not, ran the hook
 
 
+def test_a_call_takes_the_route_chosen_for_its_row_count_once(kernel):
+    """RoutedLinear keeps one route per row count (counts past the last threshold share one): every call
+    gives the bits of the route chosen afresh for its rows, in any order of row counts."""
+    from ops import linear
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 40, generator=gen)
+    routed = linear.RoutedLinear(weight, None, kernel, packed=True, codes=False)
+    with torch.no_grad():
+        for rows in (20, 1, 9, 8, 3, 40, 1, 12, 8):
+            x = torch.randn(rows, 40, generator=gen)
+            assert torch.equal(routed(x), routed.route(rows)(x)), rows
+    assert sorted(routed._by_rows) == [1, 3, 8, 9]    # 12, 20 and 40 rows took the entry of 9
+
+
 def test_packed_gemm_gives_torch_linear_at_every_row_count():
     from ops import linear
     if not linear.has_packed_gemm():
