@@ -15,7 +15,8 @@ from control_plane.engine import Engine
 from data_plane import attention
 from data_plane.model_runner import ModelRunner
 from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.helpers import LocalClient, tiny_llama
+from tests.helpers import tiny_llama
+from tests.runner_link import RunnerLink
 from tests.servers import free_port
 
 MODEL_NAME = "tiny-chat"
@@ -42,7 +43,7 @@ class InProcessServer:
         self.loop.run_forever()
 
     async def _start(self) -> None:
-        self.engine = Engine(self.cp, LocalClient(self.runner), self.runner.handshake(), self.tokenizer)
+        self.engine = Engine(self.cp, RunnerLink(self.runner), self.runner.handshake(), self.tokenizer)
         self._runner = web.AppRunner(make_app(self.engine), access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
