@@ -27,7 +27,9 @@ class InProcessServer:
         self.tokenizer = tokenizer
         model = tiny_llama(attn=attention.register(), seed=0, vocab_size=len(tokenizer), hidden=64,
                            max_pos=max_model_len)
-        dp = DataPlaneConfig(model=MODEL_NAME, listen="inproc://x", block_size=16, kv_cache_blocks=num_blocks)
+        # a swap pool as large as the device pool: the default 2 GiB would be ~10^5 tiny blocks to keep
+        dp = DataPlaneConfig(model=MODEL_NAME, listen="inproc://x", block_size=16, kv_cache_blocks=num_blocks,
+                             swap_blocks=num_blocks)
         self.runner = ModelRunner(model, dp, torch.device("cpu"))
         self.cp = ControlPlaneConfig(model=MODEL_NAME, max_num_batched_tokens=512, **cp_overrides)
         self.port = free_port()
