@@ -1,4 +1,5 @@
-"""Shared by the memory benchmarks: a fake data plane, and a loop that drives the REAL control plane
+"""Shared by the memory benchmarks: a fake runner (the data plane without a model, behind the tests' one
+in-process link, tests/runner_link.py), and a loop that drives the REAL control plane
 (Engine, Scheduler, BlockManager) through a synthetic trace (bench/_common.py's synthetic_trace).
 
 Why a fake data plane: block sharing, copy-on-write, preemption and prefix hits are all decided
@@ -23,6 +24,7 @@ from _common import FIRST_SYNTHETIC_TOKEN, TraceRequest, progress, progress_done
 from control_plane.engine import Engine
 from shared.config import ControlPlaneConfig
 from shared.protocol import Handshake, SampledToken, StepPlan, StepResult
+from tests.runner_link import RunnerLink
 
 EOS_ID = 2
 
@@ -44,8 +46,8 @@ class FakeTokenizer:
         return "x" * len(ids)
 
 
-class FakeDataPlane:
-    """Speaks the data plane's contract (see data_plane/model_runner.py) without tensors: keeps the
+class FakeRunner:
+    """Executes plans as data_plane/model_runner.py's ModelRunner does, without tensors: keeps the
     same per-sequence bookkeeping, checks every block table covers what it computes, and samples.
 
     The fake "model": a parallel sample draws tokens from a generator seeded by (seed, sequence,
@@ -54,8 +56,6 @@ class FakeDataPlane:
     they do over a real model. A sequence whose prompt is in `answer_len` says EOS when its output
     reaches that length (the trace's output length). A sequence with a token mask in the plan draws,
     from the same generator, one of the tokens its mask allows (only EOS once its grammar has ended)."""
-
-    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
 
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 49152, max_model_len: int = 8192,
                  seed: int = 0):
@@ -71,10 +71,7 @@ class FakeDataPlane:
         return Handshake("fake", self.vocab_size, 1, 1, 1, "float32", self.block_size, self.num_blocks, 0,
                          self.max_model_len, "fake", [EOS_ID])
 
-    async def ping(self, timeout):
-        return None
-
-    async def step(self, plan: StepPlan, timeout) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
         if self.observer is not None:
             self.observer(plan)
         self.num_steps += 1
@@ -149,10 +146,11 @@ class FakeDataPlane:
         return [(t, z - norm) for t, z in zip(tokens, logits[:k])]
 
 
-def make_engine(dp, max_num_seqs: int = 256, budget: int = 2048, caching: bool = True, tokenizer=None) -> Engine:
+def make_engine(runner, max_num_seqs: int = 256, budget: int = 2048, caching: bool = True, tokenizer=None) -> Engine:
+    """The real engine over `runner` (a FakeRunner or a ModelRunner), linked in-process."""
     cp = ControlPlaneConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             enable_prefix_caching=caching)
-    return Engine(cp, dp, dp.handshake(), tokenizer or FakeTokenizer())
+    return Engine(cp, RunnerLink(runner), runner.handshake(), tokenizer or FakeTokenizer())
 
 
 @dataclass
@@ -166,7 +164,7 @@ class StepSample:
 
 
 def observe_pool(engine: Engine, samples: list[StepSample]):
-    """An observer for FakeDataPlane: appends one StepSample per plan that computes something."""
+    """An observer for FakeRunner: appends one StepSample per plan that computes something."""
     sched, bm = engine.scheduler, engine.scheduler.bm
 
     def observe(plan: StepPlan) -> None:

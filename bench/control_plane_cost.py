@@ -5,7 +5,7 @@ hide behind the data plane's step at most.
     python bench/control_plane_cost.py --batches 64
     python bench/control_plane_cost.py --batches 1,8,64 --structured   # + every sequence json_schema-constrained
 
-The real Engine drives bench/_fake_engine.FakeDataPlane (same contract, no tensors). Each part is timed
+The real Engine drives bench/_fake_engine.FakeRunner (same contract, no tensors). Each part is timed
 in this process's CPU time (time.process_time), so that other processes on a shared machine do not
 count: schedule (which builds and records the plan), msgpack (encode the plan, decode it, encode and decode a
 result of the same size, as the two ends of the link do), and applying the result (Scheduler.update's
@@ -59,7 +59,7 @@ def grammar_backend(tokenizer, vocab_size: int = 49152):
 
 async def measure(batch: int, context: int, steps: int, tokenizer, grammar=None) -> dict[str, float]:
     """`grammar`: a GrammarBackend to constrain every sequence with CONSTRAINT, or None."""
-    dp = T.FakeDataPlane(num_blocks=batch * (context + steps + 64) // 16 + 64, block_size=16)
+    dp = T.FakeRunner(num_blocks=batch * (context + steps + 64) // 16 + 64, block_size=16)
     engine = T.make_engine(dp, max_num_seqs=max(batch, 1), budget=max(512, batch), tokenizer=tokenizer)
     if grammar is not None:
         engine.outputs.matchers = Matchers(grammar)
@@ -83,7 +83,7 @@ async def measure(batch: int, context: int, steps: int, tokenizer, grammar=None)
             parts[name] += clock() - t
             return out
         return run
-    step = dp.step
+    step = engine.client.step
 
     async def wire_step(plan, timeout):
         t = clock()

@@ -23,7 +23,7 @@ from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ALPACA, ROOT, SHAREGPT, Table, mean, pct, progress, progress_done, synthetic_trace  # noqa: E402
-from _fake_engine import FakeDataPlane, drive, make_engine, observe_pool  # noqa: E402
+from _fake_engine import FakeRunner, drive, make_engine, observe_pool  # noqa: E402
 
 from control_plane.sampling_params import SamplingParams  # noqa: E402
 
@@ -33,7 +33,7 @@ BUDGET = 2048                 # tokens per step
 
 
 def paging_run(trace, lengths, pool_blocks: int, block_size: int, seed: int) -> dict:
-    dp = FakeDataPlane(pool_blocks, block_size, seed=seed, max_model_len=MAX_MODEL_LEN)
+    dp = FakeRunner(pool_blocks, block_size, seed=seed, max_model_len=MAX_MODEL_LEN)
     for tr in trace:
         dp.answer_len[tuple(tr.prompt_ids)] = tr.output_len
     engine = make_engine(dp, max_num_seqs=MAX_NUM_SEQS, budget=BUDGET, caching=False)

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ALPACA, ROOT, Table, mean, pct, synthetic_trace  # noqa: E402
-from _fake_engine import FakeDataPlane, drive, make_engine, observe_pool  # noqa: E402
+from _fake_engine import FakeRunner, drive, make_engine, observe_pool  # noqa: E402
 
 from control_plane.sampling_params import SamplingParams  # noqa: E402
 
@@ -32,7 +32,7 @@ TTFT_MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=4)
 
 
 def sharing_run(kind: str, width: int, trace, args) -> dict:
-    dp = FakeDataPlane(args.pool_blocks, args.block_size, seed=args.seed)
+    dp = FakeRunner(args.pool_blocks, args.block_size, seed=args.seed)
     for tr in trace:
         dp.answer_len[tuple(tr.prompt_ids)] = tr.output_len
     # prefix caching off: the only sharing measured is the request's own (fork + copy-on-write)
@@ -60,7 +60,7 @@ def system_prompt(vocab_size: int, seed: int) -> list[int]:
 
 
 def prefix_run(caching: bool, trace, args) -> dict:
-    dp = FakeDataPlane(args.pool_blocks, args.block_size, seed=args.seed)
+    dp = FakeRunner(args.pool_blocks, args.block_size, seed=args.seed)
     for tr in trace:
         dp.answer_len[tuple(tr.prompt_ids)] = tr.output_len
     engine = make_engine(dp, caching=caching)
@@ -82,19 +82,6 @@ def ttft_runs(num_requests: int, rounds: int, args) -> dict:
     from shared.config import DataPlaneConfig
     from tests.helpers import tiny_llama
 
-    class LocalClient:                    # the ZeroMQ client's place: plans go straight to the runner
-        def __init__(self, runner):
-            self.runner = runner
-
-        async def step(self, plan, timeout):
-            return self.runner.execute(plan)
-
-        async def ping(self, timeout):
-            return None
-
-        def handshake(self):
-            return self.runner.handshake()
-
     model = tiny_llama(attn=attention.register(), seed=args.seed, **TTFT_MODEL)
     vocab = model.config.vocab_size
     trace = synthetic_trace(num_requests, args.seed, rate=0.5, vocab_size=vocab,
@@ -104,7 +91,7 @@ def ttft_runs(num_requests: int, rounds: int, args) -> dict:
     def one_run(caching: bool, jobs) -> tuple[list[float], float]:
         cfg = DataPlaneConfig(model="tiny", listen="inproc://bench", block_size=args.block_size, kv_cache_blocks=512)
         runner = ModelRunner(model, cfg, torch.device("cpu"))
-        engine = make_engine(LocalClient(runner), max_num_seqs=128, budget=512, caching=caching)
+        engine = make_engine(runner, max_num_seqs=128, budget=512, caching=caching)
         first: dict[int, float] = {}
 
         def stamp(requests):             # the step that emits a request's first token ends its TTFT

@@ -215,7 +215,7 @@ class Engine:
         """Ends a request wherever it is and frees its blocks: a client gone ("abort"), a deadline
         passed ("timeout"), or a shutdown ("abort" with an error the client is told)."""
         if not req.finished:
-            self.scheduler.apply(self.outputs.end(req, reason, error))
+            self.scheduler.apply(self.outputs.finish_request(req, reason, error))
             self._wakeup.set()
 
     def watch_deadline(self, req: Request) -> None:

@@ -43,21 +43,70 @@ def _from_json(folder: str) -> dict:
     return {k: raw[k] for k in FIELDS if raw.get(k) is not None}
 
 
-def _gguf_value(field):
-    if hasattr(field, "contents"):
-        return field.contents()
-    return field.parts[field.data[0]].tolist()[0]   # older gguf packages
+# GGUF metadata value types (ggml's gguf.h): the fixed-size ones by struct format; 8 string, 9 array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def _from_gguf(path: str) -> dict:
-    from gguf import GGUFReader
-    fields = GGUFReader(path).fields
-    out = {}
-    for key, name in GGUF_KEYS.items():
-        if key in fields:
-            value = _gguf_value(fields[key])
-            out[name] = -1 if name == "top_k" and value <= 0 else value   # llama.cpp's 0: no top-k
-    return out
+    """The sampling keys of a GGUF file's metadata. Reads the header's key/value section only, stepping
+    over its arrays (the vocabulary, the merges) without decoding them: gguf's GGUFReader parses the
+    whole file, which took seconds of the control plane's start for the default model."""
+    import mmap
+    import struct
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                raise ValueError("no GGUF magic")
+            # a file written on a big-endian machine reads its version byte-swapped
+            order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"
+            version, _, num_kv = struct.unpack_from(order + "IQQ", data, 4)
+            if version < 2:
+                raise ValueError(f"GGUF version {version} (pagedserve reads 2 and later)")
+            at, values = 24, {}
+
+            def scalar(kind: int, at: int):
+                fmt = order + _GGUF_SCALARS[kind]
+                return struct.unpack_from(fmt, data, at)[0], at + struct.calcsize(fmt)
+
+            def string(at: int):
+                (length,) = struct.unpack_from(order + "Q", data, at)
+                end = at + 8 + length
+                if end > len(data):
+                    raise ValueError("a string runs past the end of the file")
+                return data[at + 8:end], end
+
+            def skip(kind: int, at: int) -> int:
+                if kind == _GGUF_STRING:
+                    return string(at)[1]
+                if kind == _GGUF_ARRAY:
+                    item, count = struct.unpack_from(order + "IQ", data, at)
+                    at += 12
+                    if item in _GGUF_SCALARS:
+                        return at + count * struct.calcsize(order + _GGUF_SCALARS[item])
+                    for _ in range(count):
+                        at = skip(item, at)
+                    return at
+                if kind not in _GGUF_SCALARS:
+                    raise ValueError(f"unknown value type {kind}")
+                return scalar(kind, at)[1]
+
+            for _ in range(num_kv):
+                key, at = string(at)
+                (kind,), at = struct.unpack_from(order + "I", data, at), at + 4
+                name = GGUF_KEYS.get(key.decode("utf-8", "replace"))
+                if name is not None and kind in _GGUF_SCALARS:
+                    values[name], at = scalar(kind, at)
+                elif name is not None and kind == _GGUF_STRING:   # kept for _valid to refuse by name
+                    raw, at = string(at)
+                    values[name] = raw.decode("utf-8", "replace")
+                else:
+                    at = skip(kind, at)
+    except (ValueError, struct.error) as exc:   # an empty file cannot be mapped: ValueError too
+        raise C.ConfigError(f"{path}: not a GGUF file pagedserve can read ({exc})") from None
+    # llama.cpp's top_k 0: no top-k
+    return {name: -1 if name == "top_k" and isinstance(value, int) and value <= 0 else value
+            for name, value in values.items()}
 
 
 def _is_default_model(model: str) -> bool:

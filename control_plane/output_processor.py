@@ -2,7 +2,7 @@
 detokenizes, forks parallel samples, advances beams, and completes requests.
 
 It owns the map from live sequence to request. It never touches the scheduler: process() and
-end() return what they decided about sequences (scheduler.Finish, scheduler.Fork), in order, for
+finish_request() return what they decided about sequences (scheduler.Finish, scheduler.Fork), in order, for
 Scheduler.apply to carry out (free the blocks, tell the data plane to forget, share the blocks).
 A sequence decided finished has its finish_reason set at once, so that the rest of the same
 result sees it ended.
@@ -107,7 +107,7 @@ class OutputProcessor:
                                    logprobs, reason is not None, reason, seq.num_prompt_tokens,
                                    seq.num_output_tokens))
         if reason:
-            self._end_seq(req, seq, reason)
+            self._finish_seq(req, seq, reason)
             if not req.live_seqs():
                 self._complete(req)
 
@@ -121,7 +121,7 @@ class OutputProcessor:
                                        seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens))
         else:
             ranked = sorted(req.seqs.values(), key=lambda s: s.sample_index)
-        self._close(req, ranked[0].finish_reason, sum(s.num_output_tokens for s in ranked))
+        self._mark_finished(req, ranked[0].finish_reason, sum(s.num_output_tokens for s in ranked))
 
     def _beam_step(self, req: Request) -> None:
         beam = req.beam
@@ -129,7 +129,7 @@ class OutputProcessor:
         choices, done = beam.step({s.seq_id: s.output_token_ids for s in live})
         if done:
             for seq in live:
-                self._end_seq(req, seq, "beam_done")
+                self._finish_seq(req, seq, "beam_done")
             best = beam.best(req.params.n)
             for index, hyp in enumerate(best):
                 text = self.tokenizer.decode(hyp.output_ids, skip_special_tokens=True)
@@ -137,14 +137,14 @@ class OutputProcessor:
                                        len(req.prompt_ids), len(hyp.output_ids)))
             returned = sum(len(h.output_ids) for h in best)
             self.stats.on_generated(returned)
-            self._close(req, best[0].finish_reason if best else "length", returned)
+            self._mark_finished(req, best[0].finish_reason if best else "length", returned)
             return
         picks: dict[int, list] = defaultdict(list)
         for choice in choices:
             picks[choice.parent_seq_id].append(choice)
         for seq in live:            # dropped beams first: their blocks make room for the copies
             if not picks[seq.seq_id]:
-                self._end_seq(req, seq, "beam_pruned")
+                self._finish_seq(req, seq, "beam_pruned")
         for seq in live:
             mine = picks[seq.seq_id]
             for extra in mine[1:]:
@@ -159,15 +159,15 @@ class OutputProcessor:
                 beam.scores[seq.seq_id] = mine[0].score
 
     # --- ending sequences and requests ----------------------------------------------------
-    def end(self, req: Request, reason: str, error: str | None = None) -> list:
+    def finish_request(self, req: Request, reason: str, error: str | None = None) -> list:
         """Ends a request from outside a step (abort, timeout, shutdown, a failed step: `error` is
         what its client is told): every live sequence ends with `reason`. Returns the decisions."""
         for seq in req.live_seqs():
-            self._end_seq(req, seq, reason, error)
-        self._close(req, reason)
+            self._finish_seq(req, seq, reason, error)
+        self._mark_finished(req, reason)
         return self._take()
 
-    def _end_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish_seq(self, req: Request, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
         self._decided.append(Finish(seq, reason))
         self.owners.pop(seq.seq_id, None)
@@ -179,7 +179,7 @@ class OutputProcessor:
             req.emit(RequestOutput(seq.sample_index, detok.take_new_text(True) if detok else "", [], [], True,
                                    reason, seq.num_prompt_tokens, seq.num_output_tokens, error))
 
-    def _close(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
+    def _mark_finished(self, req: Request, reason: str, num_output_tokens: int = 0) -> None:
         req.finished = True
         req.end_reason = reason
         first_seq = next(iter(req.seqs.values()))

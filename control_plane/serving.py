@@ -1,7 +1,7 @@
 """The named interfaces between the control plane's parts: what the API asks of the engine it serves
 (one `Engine`, or a `Router` over several replicas: both implement `ServingEngine`), and what an engine
 asks of its link to a data plane (`dp_client.DataPlaneClient` over ZeroMQ; in tests, an in-process
-runner: tests/helpers.py's LocalClient)."""
+runner: tests/runner_link.py's RunnerLink)."""
 from __future__ import annotations
 
 from typing import Protocol

@@ -75,7 +75,7 @@ class FailureIsolation:
             log.error("step failed (%s); failing request %s, the only suspect of %d", error, guilty.request_id,
                       len(reqs))
             self.unproven.discard(id(guilty))
-            self.scheduler.apply(self.outputs.end(guilty, "error", error))
+            self.scheduler.apply(self.outputs.finish_request(guilty, "error", error))
             for req in reqs:
                 if req is not guilty:
                     self._recompute(req, self.scheduler.requeue_front)

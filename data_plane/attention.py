@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ops.attention import KernelRows, paged_attention, write_kv
+from ops.attention import Backend, KernelRows, paged_attention, write_kv
 
 ATTENTION_NAME = "pagedserve"
 
@@ -37,6 +37,8 @@ class StepContext:
     max_query_len: int
     # CPU: ops.attention.kernel_rows(...), the kernel's rows made once per step for every layer
     kernel_rows: KernelRows | None = None
+    # the ops' implementation, chosen by the runner at start (None: each call chooses, outside a runner)
+    backend: Backend | None = None
     _positions: torch.Tensor | None = None
 
     @property
@@ -164,13 +166,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # V heads narrower than K heads (multi-head latent attention): stored padded with zeros, which add
         # nothing to the weighted sum; the output's padding is cut off below
         v = torch.nn.functional.pad(v, (0, k.shape[-1] - v_dim))
-    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, backend=ctx.backend)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                           scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap,
                           sinks=None if s_aux is None else s_aux.detach().float(), alibi=alibi,
                           chunk=layer_chunk(module),
-                          kernel_rows=ctx.kernel_rows)
+                          kernel_rows=ctx.kernel_rows, backend=ctx.backend)
     return out[..., :v_dim].unsqueeze(0), None  # [1, tokens, heads, V's dim]
 
 

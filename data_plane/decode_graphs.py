@@ -26,7 +26,7 @@ import time
 import torch
 
 from data_plane.attention import StepContext
-from ops.attention import KernelRows
+from ops.attention import Backend, KernelRows
 
 log = logging.getLogger("pagedserve.data_plane")
 
@@ -55,7 +55,8 @@ def reserve_bytes(max_bucket: int, hidden: int, intermediate: int, q_size: int, 
 class StaticBatch:
     """The input buffers of one bucket."""
 
-    def __init__(self, size: int, max_blocks: int, kv_pool: torch.Tensor, device: torch.device):
+    def __init__(self, size: int, max_blocks: int, kv_pool: torch.Tensor, device: torch.device,
+                 backend: Backend | None = None):
         self.size = size
         self.ids = torch.zeros(1, size, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, size, dtype=torch.long, device=device)
@@ -64,7 +65,7 @@ class StaticBatch:
                                block_tables=torch.zeros(size, max_blocks, dtype=torch.int32, device=device),
                                seq_lens=torch.ones(size, dtype=torch.int32, device=device),
                                query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-                               max_query_len=1)
+                               max_query_len=1, backend=backend)
         # every row a decode row of its own sequence: the CPU kernel reads the static tables and lengths
         self.ctx.kernel_rows = KernelRows(torch.arange(size, device=device), self.ctx.block_tables,
                                           self.ctx.seq_lens, [])
@@ -91,11 +92,11 @@ class DecodeGraphs:
     the buckets' static buffers; `run` answers None for a step it does not cover."""
 
     def __init__(self, forward, kv_pool: torch.Tensor, max_blocks: int, buckets: list[int],
-                 device: torch.device, capture: bool):
+                 device: torch.device, capture: bool, backend: Backend | None = None):
         self.forward = forward
         self.max_blocks = max_blocks
         self.buckets = sorted(buckets)
-        self.batches = {b: StaticBatch(b, max_blocks, kv_pool, device) for b in self.buckets}
+        self.batches = {b: StaticBatch(b, max_blocks, kv_pool, device, backend) for b in self.buckets}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0

@@ -204,9 +204,9 @@ class LlamaForward:
             return attention_ops.paged_attention_cpu(self.attention_kernel, q, k_cache, v_cache, ctx.block_tables,
                                                      ctx.seq_lens, ctx.query_start_loc, layer.scaling,
                                                      work=ctx.kernel_rows)
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, backend=ctx.backend)
         return paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                               layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows)
+                               layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows, backend=ctx.backend)
 
     def _routes(self, rows: int) -> list[tuple]:
         """Per layer, the functions of its four products for a step of `rows` rows (RoutedLinear.route),

@@ -81,7 +81,8 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
         self._arange = torch.arange(64, dtype=torch.int64, device=device)
-        compiled = warmup.warm_up(self.layer_caches, self.model.config.num_attention_heads // config.tensor_parallel_size)
+        heads = self.model.config.num_attention_heads // config.tensor_parallel_size
+        compiled = warmup.warm_up(self.layer_caches, heads, self.backend)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
@@ -89,11 +90,11 @@ class ModelRunner:
         if config.decode_graphs == "eager" or capture:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
-                                                     device, capture)
+                                                     device, capture, self.backend)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
                  "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20, device,
-                 attention_ops.backend(device, self.dtype),
+                 self.backend.describe(),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
                  routes["codes"], routes["kernel"], routes["packed"])
 
@@ -107,8 +108,9 @@ class ModelRunner:
         model = model.to(self.dtype)
         self.model = model
         self.block_size = config.block_size
-        self.triton = attention_ops.use_triton(self.device)
-        if self.triton and self.block_size < MIN_TRITON_BLOCK_SIZE:
+        # the attention and cache ops' implementation, decided here once and passed to every call
+        self.backend = attention_ops.choose(self.device, self.dtype)
+        if self.backend.triton and self.block_size < MIN_TRITON_BLOCK_SIZE:
             raise ConfigError(f"--block-size {self.block_size} is for the CPU path; the Triton kernels "
                               f"({self.device}) need {MIN_TRITON_BLOCK_SIZE} or more")
         mc = model.config
@@ -243,7 +245,7 @@ class ModelRunner:
         if plan.copies:
             src, dst = zip(*plan.copies)
             self._check_blocks(src + dst)
-            copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
+            copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst), self.backend)
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
         sampled, num_tokens, prompt_scores = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0, [])
@@ -265,8 +267,9 @@ class ModelRunner:
                                 f"table has {len(st.block_ids)}")
             table = st.block_ids
             if self.sliding_window and FREED_BLOCK_ID in table:   # -1 only comes with a window
+                # freed entries lie before the block of `begin`, so no slot below reads one; the
+                # attention reads the runner's BlockTables, which hold 0 there
                 self._check_freed(seq_id, table, begin)
-                table = [0 if b == FREED_BLOCK_ID else b for b in table]   # never read (see _check_freed)
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
@@ -284,8 +287,8 @@ class ModelRunner:
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
-        if not self.triton:   # the CPU kernel's rows, once for every layer of the step
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend)
+        if not self.backend.triton:   # the CPU kernel's rows, once for every layer of the step
             if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
                 ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,
                                                            ctx.seq_lens, [])

@@ -49,11 +49,11 @@ class UnsupportedModel(ConfigError):
 
 @dataclass
 class Support:
-    """What the probe found: per-layer windows, chunks and soft-cap, and the logits function to use."""
+    """What the probe found that serving needs: per-layer windows and chunks (which blocks may be freed),
+    and the logits function to use (the output embeddings, or the model's own head where it adds a
+    soft-cap or scaling). Each layer's soft-cap reaches the attention in the layer's own call."""
     layer_windows: list[int | None]
-    softcaps: list[float | None]
     final_logits: Callable[[torch.Tensor], torch.Tensor]
-    logits_path: str   # "output embeddings" or "the model's own head"
     layer_chunks: list[int | None] = field(default_factory=list)
 
     @property
@@ -211,10 +211,10 @@ def _choose_logits(model, hidden: torch.Tensor, own: torch.Tensor):
         head = None
     if head is not None and torch.allclose(head, own, rtol=1e-5, atol=1e-5):
         if torch.equal(plain, head):   # the head adds nothing (no soft-cap, no scaling): skip its overhead
-            return model.get_output_embeddings(), "output embeddings"
-        return (lambda rows: own_head_logits(model, rows)), "the model's own head"
+            return model.get_output_embeddings()
+        return lambda rows: own_head_logits(model, rows)
     if torch.equal(plain, own) or (head is None and torch.allclose(plain, own, rtol=1e-5, atol=1e-5)):
-        return model.get_output_embeddings(), "output embeddings"
+        return model.get_output_embeddings()
     return None
 
 
@@ -269,8 +269,7 @@ def check_model(model) -> Support:
         raise UnsupportedModel(arch, ["its final logits are computed in a way pagedserve does not reproduce"])
     by_layer = {c.layer_idx: c for c in calls}
     layers = range(config.num_hidden_layers)
-    support = Support([by_layer[i].sliding_window for i in layers], [by_layer[i].softcap for i in layers],
-                      chosen[0], chosen[1], [by_layer[i].chunk for i in layers])
+    support = Support([by_layer[i].sliding_window for i in layers], chosen, [by_layer[i].chunk for i in layers])
     model.__dict__[_CACHE_ATTR] = support
     return support
 

@@ -30,43 +30,65 @@ from ops import cpu_kernels, reference
 
 
 def use_triton(device: torch.device) -> bool:
-    # PAGEDSERVE_TRITON=1 forces the Triton path (with TRITON_INTERPRET=1 on CPU, for tests);
-    # PAGEDSERVE_TRITON=0 forces the torch reference even on CUDA.
+    """Whether this process serves attention through Triton on `device`: read once, at start (`choose`).
+    PAGEDSERVE_TRITON=1 forces the Triton path (with TRITON_INTERPRET=1 on CPU, for tests);
+    PAGEDSERVE_TRITON=0 forces the torch reference even on CUDA; unset, Triton on CUDA."""
     forced = os.environ.get("PAGEDSERVE_TRITON")
     if forced is not None:
         return forced == "1"
     return device.type == "cuda"
 
 
-def backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Which implementation serves attention for this device and dtype (builds the CPU kernel if needed)."""
-    if use_triton(device):
-        return "triton"
-    if _cpu_kernel(device, dtype) is not None:
-        return f"cpu kernel for decode rows and prompt runs of up to {KERNEL_MAX_QUERY} tokens, torch reference above"
-    if device.type != "cpu":
-        why = "Triton turned off by PAGEDSERVE_TRITON=0"
-    elif not cpu_kernels.enabled():
-        why = "disabled by PAGEDSERVE_CPU_KERNELS=0"
-    else:
-        why = cpu_kernels.failure() or f"the CPU kernel is float32 and bfloat16 only, not {dtype}"
-    return f"torch reference ({why})"
-
-
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class Backend:
+    """Which implementation serves the attention and cache ops on one device and dtype, chosen once at
+    start (`choose`) and passed to every call, so that no call reads a setting or builds anything."""
+    device_type: str
+    dtype: torch.dtype
+    triton: bool
+    kernel: object | None = None   # the C++ module (kernels/cpu) when it serves this device and dtype
+
+    def describe(self) -> str:
+        """The choice in words, for the start-up log."""
+        if self.triton:
+            return "triton"
+        if self.kernel is not None:
+            return f"cpu kernel for decode rows and prompt runs of up to {KERNEL_MAX_QUERY} tokens, torch reference above"
+        if self.device_type != "cpu":
+            why = "Triton turned off by PAGEDSERVE_TRITON=0"
+        elif not cpu_kernels.enabled():
+            why = "disabled by PAGEDSERVE_CPU_KERNELS=0"
+        else:
+            why = cpu_kernels.failure() or f"the CPU kernel is float32 and bfloat16 only, not {self.dtype}"
+        return f"torch reference ({why})"
+
+    def serves_kernel(self, query: torch.Tensor, k_cache: torch.Tensor):
+        """The C++ module for a call whose tensors it takes (the chosen dtype on the CPU), else None."""
+        if self.kernel is None or query.dtype != self.dtype or k_cache.dtype != self.dtype \
+                or query.device.type != "cpu":
+            return None
+        return self.kernel
+
+
+def choose(device: torch.device, dtype: torch.dtype, triton: bool | None = None) -> Backend:
+    """The backend for this device and dtype (builds the CPU kernel if needed). `triton`: True or False
+    to choose the path; None reads it from the environment (`use_triton`)."""
+    if triton is None:
+        triton = use_triton(device)
+    kernel = None
+    if not triton and device.type == "cpu" and dtype in KERNEL_DTYPES:
+        kernel = cpu_kernels.load()
+    return Backend(device.type, dtype, triton, kernel)
+
+
 def cpu_kernel_for(device: torch.device, dtype: torch.dtype):
-    """The C++ kernel module when it serves attention for this device and dtype and Triton is not forced,
+    """The C++ kernel module when it serves attention for this device and dtype and Triton is not chosen,
     else None: a caller that asks once at start (the lean forward) can then call the kernel directly,
     without this module's per-call checks and dispatch."""
-    return None if use_triton(device) else _cpu_kernel(device, dtype)
-
-
-def _cpu_kernel(device: torch.device, dtype: torch.dtype):
-    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
-        return None
-    return cpu_kernels.load()
+    return choose(device, dtype).kernel
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -75,17 +97,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store key/value [tokens, kv_heads, head_dim] into their slots (slot -1: skipped)."""
+             slot_mapping: torch.Tensor, backend: Backend | None = None) -> None:
+    """Store key/value [tokens, kv_heads, head_dim] into their slots (slot -1: skipped). `backend`: the
+    caller's choice made at start (None: `choose` now, for a caller outside a step)."""
     _check_cache(k_cache, v_cache)
     assert key.shape == value.shape and key.dim() == 3, f"key must be [tokens, kv_heads, head_dim], got {tuple(key.shape)}"
     assert key.shape[1:] == k_cache.shape[2:], "key heads/dim do not match the cache"
     assert slot_mapping.shape == (key.shape[0],), "one slot per token"
-    if use_triton(key.device):
+    backend = backend or choose(key.device, key.dtype)
+    if backend.triton:
         from kernels.cache_ops import write_kv_triton
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return
-    kernel = _cpu_kernel(key.device, key.dtype) if k_cache.dtype == key.dtype else None
+    kernel = backend.serves_kernel(key, k_cache)
     if kernel is not None and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value)) \
             and k_cache.is_contiguous() and v_cache.is_contiguous():
         # one call, no read-back of the slots (the reference masks padding with a device sync)
@@ -99,7 +123,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     scale: float, max_query_len: int | None = None, *, sliding_window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None,
                     alibi: torch.Tensor | None = None, chunk: int | None = None,
-                    kernel_rows: KernelRows | None = None) -> torch.Tensor:
+                    kernel_rows: KernelRows | None = None, backend: Backend | None = None) -> torch.Tensor:
     """Causal attention of query [tokens, heads, head_dim] over the paged cache; returns the same shape.
 
     block_tables: int32 [seqs, max_blocks] (unused entries any value, conventionally 0);
@@ -117,6 +141,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         chunked attention); with a window too, both apply.
     kernel_rows: `kernel_rows(query_start_loc, seq_lens, block_tables)` when the caller made it once
         for the step (the CPU kernel's input; every layer of a step would otherwise make it again).
+    backend: the caller's choice made at start (None: `choose` now, for a caller outside a step).
     """
     _check_cache(k_cache, v_cache)
     assert query.dim() == 3 and query.shape[2] == k_cache.shape[3], "query must be [tokens, heads, head_dim]"
@@ -136,11 +161,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                              f"{per_head.dtype} {tuple(per_head.shape)} on {per_head.device}")
     sliding_window, softcap, chunk = sliding_window or None, softcap or None, chunk or None
     variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, alibi=alibi, chunk=chunk)
-    if use_triton(query.device):
+    backend = backend or choose(query.device, query.dtype)
+    if backend.triton:
         from kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len, **variant)
-    kernel = _cpu_kernel(query.device, query.dtype) if k_cache.dtype == query.dtype else None
+    kernel = backend.serves_kernel(query, k_cache)
     if kernel is not None:
         return paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                    scale, work=kernel_rows, **variant)

@@ -106,6 +106,10 @@ class RoutedLinear:
             and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
         self.packed = _pack(weight) if many_rows and self.dot is None else None
         self.skinny_max_rows = skinny_max_rows
+        # the route of each row count, chosen on its first call: routes differ only up to a few rows,
+        # so every count from `_rows_cap` on shares one entry
+        self._rows_cap = 1 + max(BF16_CODES_MAX_ROWS, skinny_max_rows)
+        self._by_rows: dict[int, object] = {}
 
     @property
     def routed(self) -> bool:
@@ -116,7 +120,11 @@ class RoutedLinear:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        out = self.route(rows)(x.reshape(rows, x.shape[-1]).contiguous())
+        key = min(rows, self._rows_cap)
+        route = self._by_rows.get(key)
+        if route is None:
+            route = self._by_rows[key] = self.route(key)
+        out = route(x.reshape(rows, x.shape[-1]).contiguous())
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def route(self, rows: int):

@@ -1,6 +1,6 @@
 """Helpers shared by test modules (a test module never imports another test module):
-tiny random models, a runner and the engine over them in-process, a stub runner for the worker
-loop, a handshake, the Compose binary, and the English prompts of the SmolLM2 tests.
+tiny random models, a runner and the engine over them in-process (tests/runner_link.py links them), a
+stub runner for the worker loop, a handshake, the Compose binary, and the English prompts of the SmolLM2 tests.
 
 Real processes are in tests/servers.py, the HTTP client of the end-to-end tests in tests/e2e/client.py.
 """
@@ -13,6 +13,8 @@ import subprocess
 
 import pytest
 import torch
+
+from tests.runner_link import RunnerLink, Unreachable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,10 +104,14 @@ def paged_model(seed=0, **kw):
 
 def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=None, lean_forward=True,
                 dtype="float32"):
-    """The data plane's ModelRunner over `model`, in-process (`swap_blocks` None: the default CPU pool;
-    `lean_forward` False keeps transformers' forward for a Llama; `dtype` the model's and the pool's)."""
+    """The data plane's ModelRunner over `model`, in-process (`swap_blocks` None: a CPU pool four times
+    the device pool; `lean_forward` False keeps transformers' forward for a Llama; `dtype` the model's
+    and the pool's)."""
     from data_plane.model_runner import ModelRunner
     from shared.config import DataPlaneConfig
+    # not the data plane's default of 2 GiB: a tiny model's blocks are a few KiB, and the control plane
+    # would keep a million of them, one object each, for every engine a test makes
+    swap_blocks = 4 * num_blocks if swap_blocks is None else swap_blocks
     model = model.to(getattr(torch, dtype))
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
                              swap_blocks=swap_blocks, lean_forward=lean_forward, dtype=dtype)
@@ -176,52 +182,6 @@ class StubRunner:
 
 
 # --- the engine in-process ------------------------------------------------------------------------------
-class LocalClient:
-    """Stands in for the ZeroMQ client: hands each plan straight to a ModelRunner."""
-    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.plans = []
-
-    async def step(self, plan, timeout):
-        self.plans.append(plan)
-        return self.runner.execute(plan)
-
-    async def ping(self, timeout):
-        return None
-
-
-class InProcessClient:
-    """Stands in for the ZeroMQ client: the runner executes plans in the order they were sent, as
-    the data plane's loop does, when their result is asked for."""
-    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.sent = []          # plans sent and not yet executed
-        self.plans = []         # every plan, in order
-        self.sent_ahead = 0     # plans sent while an earlier one was not executed yet
-
-    async def send_plan(self, plan):
-        self.sent_ahead += bool(self.sent)
-        self.sent.append(plan)
-        self.plans.append(plan)
-
-    async def result_of(self, step_id, timeout):
-        while True:
-            result = self.runner.execute(self.sent.pop(0))
-            if result.step_id == step_id:
-                return result
-
-    async def step(self, plan, timeout):
-        await self.send_plan(plan)
-        return await self.result_of(plan.step_id, timeout)
-
-    async def ping(self, timeout):
-        return None
-
-
 class DigitTokenizer:
     """Enough of a tokenizer for the engine: ids print as space-separated numbers."""
     eos_token_id = 2
@@ -231,13 +191,13 @@ class DigitTokenizer:
 
 
 def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None):
-    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its LocalClient)."""
+    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its RunnerLink)."""
     from control_plane.engine import Engine
     from shared.config import ControlPlaneConfig
     runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=swap_blocks)
     cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
                             preemption_mode=mode)
-    client = LocalClient(runner)
+    client = RunnerLink(runner)
     engine = Engine(cp, client, runner.handshake(), DigitTokenizer())
     return engine, client
 
@@ -266,16 +226,6 @@ def assert_pool_clean(engine):
     assert not engine.owners
 
 
-class _NoDataPlane:
-    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
-
-    async def step(self, plan, timeout):
-        raise AssertionError("nothing may reach the data plane")
-
-    async def ping(self, timeout):
-        return None
-
-
 class _EosOnlyTokenizer:
     eos_token_id = 2
 
@@ -286,7 +236,7 @@ def small_engine(num_blocks=32, block_size=16, max_model_len=512):
     from shared.config import ControlPlaneConfig
     from shared.protocol import Handshake
     hs = Handshake("fake", 49152, 2, 2, 64, "float32", block_size, num_blocks, 0, max_model_len, "cpu", [2])
-    return Engine(ControlPlaneConfig(model="fake"), _NoDataPlane(), hs, _EosOnlyTokenizer())
+    return Engine(ControlPlaneConfig(model="fake"), RunnerLink(Unreachable(hs)), hs, _EosOnlyTokenizer())
 
 
 # --- control-plane state ------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from control_plane.engine import Engine
 from data_plane import attention
 from data_plane.model_runner import ModelRunner
 from shared.config import ControlPlaneConfig, DataPlaneConfig
-from tests.helpers import LocalClient, tiny_llama
+from tests.helpers import tiny_llama
+from tests.runner_link import RunnerLink
 from tests.servers import free_port
 
 MODEL_NAME = "tiny-chat"
@@ -26,7 +27,9 @@ class InProcessServer:
         self.tokenizer = tokenizer
         model = tiny_llama(attn=attention.register(), seed=0, vocab_size=len(tokenizer), hidden=64,
                            max_pos=max_model_len)
-        dp = DataPlaneConfig(model=MODEL_NAME, listen="inproc://x", block_size=16, kv_cache_blocks=num_blocks)
+        # a swap pool as large as the device pool: the default 2 GiB would be ~10^5 tiny blocks to keep
+        dp = DataPlaneConfig(model=MODEL_NAME, listen="inproc://x", block_size=16, kv_cache_blocks=num_blocks,
+                             swap_blocks=num_blocks)
         self.runner = ModelRunner(model, dp, torch.device("cpu"))
         self.cp = ControlPlaneConfig(model=MODEL_NAME, max_num_batched_tokens=512, **cp_overrides)
         self.port = free_port()
@@ -42,7 +45,7 @@ class InProcessServer:
         self.loop.run_forever()
 
     async def _start(self) -> None:
-        self.engine = Engine(self.cp, LocalClient(self.runner), self.runner.handshake(), self.tokenizer)
+        self.engine = Engine(self.cp, RunnerLink(self.runner), self.runner.handshake(), self.tokenizer)
         self._runner = web.AppRunner(make_app(self.engine), access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()

@@ -43,7 +43,7 @@ def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num
     `free_window`: the block manager learns the window from the handshake, as the engine's does;
     `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed."""
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
-                             swap_blocks=num_blocks if swap else None)
+                             swap_blocks=num_blocks if swap else 0)
     runner = ModelRunner(model, config, torch.device("cpu"))
     window = runner.handshake().sliding_window
     played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,

@@ -33,8 +33,8 @@ def new_seq(seq_id: int, n: int = 1) -> NewSequence:
 
 
 def sample(plan: StepPlan) -> dict[int, list[int]]:
-    dp = T.FakeDataPlane(num_blocks=8, block_size=16, vocab_size=VOCAB)
-    result = asyncio.run(dp.step(plan, None))
+    dp = T.FakeRunner(num_blocks=8, block_size=16, vocab_size=VOCAB)
+    result = dp.execute(plan)
     tokens: dict[int, list[int]] = {}
     for s in result.sampled:
         tokens.setdefault(s.seq_id, []).append(s.token_id)
@@ -67,7 +67,7 @@ def grammar(smol_tokenizer):
 def test_grammar_end_gives_eos_and_stops(smol_tokenizer, grammar, caplog):
     """A choice grammar ends after a few tokens: the engine then masks everything but EOS, the fake
     data plane says EOS, and the request stops with a text the grammar allows."""
-    dp = T.FakeDataPlane(num_blocks=64, block_size=16)
+    dp = T.FakeRunner(num_blocks=64, block_size=16)
     engine = T.make_engine(dp, max_num_seqs=4, tokenizer=smol_tokenizer)
     engine.outputs.matchers = Matchers(grammar)
     choices = Constraint("choice", '["yes please", "no thanks"]')

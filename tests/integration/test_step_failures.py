@@ -9,32 +9,30 @@ import pytest
 from control_plane.sampling_params import SamplingParams
 from shared.protocol import StepResult
 from tests.helpers import assert_pool_clean, make_engine, run_all
+from tests.runner_link import RunnerLink
 
 POISON = 7   # a request whose prompt starts with this token makes the steps it takes part in fail
 
 
-class FaultyClient:
-    """Executes each plan, then reports the whole step failed if the poisoned request is in it and
-    has at least `after` output tokens."""
-    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+class FaultyClient(RunnerLink):
+    """The in-process link that executes each plan, then reports the whole step failed if the poisoned
+    request is in it and has at least `after` output tokens."""
 
-    def __init__(self, inner, after: int):
-        self.inner, self.after = inner, after
+    def __init__(self, runner, after: int):
+        super().__init__(runner)
+        self.after = after
         self.poisoned: set[int] = set()
         self.failures = 0
 
     async def step(self, plan, timeout):
         self.poisoned |= {s.seq_id for s in plan.new_seqs if s.token_ids[0] == POISON}
-        result = await self.inner.step(plan, timeout)
+        result = await super().step(plan, timeout)
         for seq_id in {s.seq_id for s in plan.new_seqs} | {c.seq_id for c in plan.cached_seqs}:
-            state = self.inner.runner.seqs.get(seq_id)
+            state = self.runner.seqs.get(seq_id)
             if seq_id in self.poisoned and len(state.token_ids) - state.num_prompt_tokens > self.after:
                 self.failures += 1
                 return StepResult(plan.step_id, error="step failed: RuntimeError: injected")
         return result
-
-    async def ping(self, timeout):
-        return None
 
 
 def jobs(with_poison: bool):
@@ -55,7 +53,7 @@ def undisturbed():
 @pytest.mark.parametrize("after", [0, 3], ids=["fails-at-once", "fails-after-3-good-steps"])
 def test_only_the_culprit_fails_and_the_others_are_untouched(undisturbed, after):
     engine, local = make_engine(budget=64)
-    engine.client = client = FaultyClient(local, after)
+    engine.client = client = FaultyClient(local.runner, after)
     outputs = asyncio.run(run_all(engine, jobs(True)))
     assert client.failures >= 1
     assert outputs[:-1] == undisturbed                 # every innocent request: the same tokens
@@ -67,7 +65,7 @@ def test_only_the_culprit_fails_and_the_others_are_untouched(undisturbed, after)
 
 def test_a_culprit_arriving_beside_running_requests_is_failed_alone(undisturbed):
     engine, local = make_engine(budget=64)
-    engine.client = client = FaultyClient(local, 0)
+    engine.client = client = FaultyClient(local.runner, 0)
 
     async def run():
         reqs = [engine.add_request(f"r{i}", p, params) for i, (p, params) in enumerate(jobs(False))]

@@ -19,6 +19,7 @@ from control_plane.sampling_params import SamplingParams
 from control_plane.structured import Constraint, Matchers
 from shared.config import ControlPlaneConfig
 from tests.helpers import make_runner, paged_model
+from tests.runner_link import RunnerLink
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 64
@@ -59,37 +60,26 @@ def grammar(model, smol_tokenizer):
     return smol_tokenizer, engine._grammar_matchers().backend
 
 
-class RestartingClient:
-    """Stands in for the ZeroMQ client over an in-process runner. At the steps in `die_at` the data
-    plane computes the plan (its sequences advance, a token is sampled) and then dies before its
-    result comes back; the next handshake answers from a new runner with an empty pool, as a
-    restarted data plane would."""
-
-    link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
+class RestartingClient(RunnerLink):
+    """The in-process link over a runner that can die. At the steps in `die_at` the data plane computes
+    the plan (its sequences advance, a token is sampled) and then dies before its result comes back;
+    the next handshake answers from a new runner with an empty pool, as a restarted data plane would."""
 
     def __init__(self, make, die_at=()):
+        super().__init__(make())
         self.make = make
-        self.runner = make()
         self.die_at = set(die_at)
         self.num_steps = 0
         self.deaths = 0
-        self.plans = []
 
     async def step(self, plan, timeout):
         self.num_steps += 1
-        self.plans.append(plan)
-        result = self.runner.execute(plan)
+        result = await super().step(plan, timeout)
         if self.num_steps in self.die_at:
             self.deaths += 1
             self.runner = self.make()
             raise DataPlaneDead(f"killed after step {plan.step_id} (its result is lost)")
         return result
-
-    async def handshake(self, timeout):
-        return self.runner.handshake()
-
-    async def ping(self, timeout):
-        return None
 
 
 def make_engine(model, grammar, num_blocks, mode="recompute", swap_blocks=0, die_at=()):

@@ -15,7 +15,8 @@ from control_plane.sampling_params import SamplingParams
 from data_plane import attention
 from shared.config import ControlPlaneConfig
 from tests.architectures import _llama_like, build
-from tests.helpers import DigitTokenizer, InProcessClient, LocalClient, assert_pool_clean, make_runner, run_all
+from tests.helpers import DigitTokenizer, assert_pool_clean, make_runner, run_all
+from tests.runner_link import RunnerLink
 from tests.serve_driver import assert_same, hf_reference, serve
 
 WINDOW, BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 8, 4, 12, 24
@@ -64,7 +65,7 @@ def _engine_outputs(num_blocks, free_window, mode="auto", swap_blocks=None, over
     runner = make_runner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, swap_blocks=swap_blocks)
     config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=16, preemption_mode=mode,
                                 async_scheduling=overlap)
-    client = InProcessClient(runner) if overlap else LocalClient(runner)
+    client = RunnerLink(runner)
     engine = Engine(config, client, runner.handshake(), DigitTokenizer())
     assert engine.scheduler.bm.sliding_window == WINDOW      # learnt from the handshake
     if not free_window:

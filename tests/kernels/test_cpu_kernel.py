@@ -117,11 +117,11 @@ def test_bad_block_id_is_an_error_not_a_crash(kernel):
 
 def test_backend_reports_the_kernel_and_its_fallbacks(kernel, monkeypatch):
     cpu = torch.device("cpu")
-    assert attention.backend(cpu, torch.float32).startswith("cpu kernel")
-    assert attention.backend(cpu, torch.bfloat16).startswith("cpu kernel")
-    assert attention.backend(cpu, torch.float16).startswith("torch reference (the CPU kernel is float32 and bfloat16")
+    assert attention.choose(cpu, torch.float32).describe().startswith("cpu kernel")
+    assert attention.choose(cpu, torch.bfloat16).describe().startswith("cpu kernel")
+    assert attention.choose(cpu, torch.float16).describe().startswith("torch reference (the CPU kernel is float32 and bfloat16")
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
-    assert attention.backend(cpu, torch.float32) == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
+    assert attention.choose(cpu, torch.float32).describe() == "torch reference (disabled by PAGEDSERVE_CPU_KERNELS=0)"
 
 
 # --- the few-row linear kernel ---------------------------------------------------------------
@@ -174,6 +174,20 @@ def test_model_layers_route_by_rows_and_keep_hooks(kernel, monkeypatch):
     assert len(hooked) == 6                                  # every forward, routed or not, ran the hook
 
 
+def test_a_call_takes_the_route_chosen_for_its_row_count_once(kernel):
+    """RoutedLinear keeps one route per row count (counts past the last threshold share one): every call
+    gives the bits of the route chosen afresh for its rows, in any order of row counts."""
+    from ops import linear
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 40, generator=gen)
+    routed = linear.RoutedLinear(weight, None, kernel, packed=True, codes=False)
+    with torch.no_grad():
+        for rows in (20, 1, 9, 8, 3, 40, 1, 12, 8):
+            x = torch.randn(rows, 40, generator=gen)
+            assert torch.equal(routed(x), routed.route(rows)(x)), rows
+    assert sorted(routed._by_rows) == [1, 3, 8, 9]    # 12, 20 and 40 rows took the entry of 9
+
+
 def test_packed_gemm_gives_torch_linear_at_every_row_count():
     from ops import linear
     if not linear.has_packed_gemm():
@@ -206,7 +220,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
 
 def test_backend_names_the_reason_off_the_cpu(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_TRITON", "0")
-    assert attention.backend(torch.device("cuda"), torch.float32) == \
+    assert attention.choose(torch.device("cuda"), torch.float32).describe() == \
         "torch reference (Triton turned off by PAGEDSERVE_TRITON=0)"
 
 

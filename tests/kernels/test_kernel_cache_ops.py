@@ -99,21 +99,21 @@ def test_copy_blocks_large_block_and_noncontiguous(kt):
 
 
 def test_ops_cache_entry_points_use_triton(kt, monkeypatch):
-    """ops.write_kv / ops.cache_ops.copy_blocks with PAGEDSERVE_TRITON=1 reach these kernels."""
+    """ops.write_kv / ops.cache_ops.copy_blocks reach these kernels when the Triton backend is chosen."""
     import kernels.cache_ops as ck
     from ops import attention, cache_ops
     called = []
     real_write, real_copy = ck.write_kv_triton, ck.copy_blocks_triton
     monkeypatch.setattr(ck, "write_kv_triton", lambda *a: (called.append("write"), real_write(*a)))
     monkeypatch.setattr(ck, "copy_blocks_triton", lambda *a: (called.append("copy"), real_copy(*a)))
-    monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
+    triton = attention.choose(kt.device, torch.float32, triton=True)
     k_cache = torch.zeros(3, 8, 1, 64, device=kt.device)
     v_cache = torch.zeros_like(k_cache)
     key = torch.randn(2, 1, 64, device=kt.device)
-    attention.write_kv(key, key, k_cache, v_cache, torch.tensor([9, -1], device=kt.device))
+    attention.write_kv(key, key, k_cache, v_cache, torch.tensor([9, -1], device=kt.device), backend=triton)
     assert torch.equal(k_cache[1, 1], key[0])
     cache_ops.copy_blocks([k_cache, v_cache], torch.tensor([1], device=kt.device),
-                          torch.tensor([2], device=kt.device))
+                          torch.tensor([2], device=kt.device), backend=triton)
     assert torch.equal(v_cache[2], v_cache[1]) and torch.equal(v_cache[2, 1], key[0])
     assert called == ["write", "copy"]
 

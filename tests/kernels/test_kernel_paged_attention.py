@@ -140,14 +140,14 @@ def test_dispatch(kt, monkeypatch):
 
 
 def test_ops_entry_point_uses_triton(kt, monkeypatch):
-    """ops.attention.paged_attention with PAGEDSERVE_TRITON=1 reaches these kernels."""
+    """ops.attention.paged_attention reaches these kernels when the Triton backend is chosen."""
     from ops import attention
     called = []
     real = pa.paged_attention_triton
     monkeypatch.setattr(pa, "paged_attention_triton", lambda *a, **k: (called.append(1), real(*a, **k))[1])
-    monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
     batch = kt.PagedBatch([50, 12], [4, 1], 6, 2, 80, 16, torch.float16, seed=2)
-    _check(kt, batch, attention.paged_attention(*batch.args(), max_query_len=4))
+    triton = attention.choose(kt.device, torch.float16, triton=True)
+    _check(kt, batch, attention.paged_attention(*batch.args(), max_query_len=4, backend=triton))
     assert called == [1]
 
 

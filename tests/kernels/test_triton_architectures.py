@@ -18,7 +18,7 @@ PROMPTS = [[1] + list(range(300, 340)), [1] + list(range(200, 229)) + [7], [1] +
 @pytest.mark.parametrize("name", ["Gemma2 (caps, alternating window)", "Mistral (window 12)"])
 def test_triton_path_serves_windows_and_caps_like_transformers(name, monkeypatch, kt):
     monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
-    assert attention_ops.backend(kt.device, torch.float32) == "triton"
+    assert attention_ops.choose(kt.device, torch.float32).describe() == "triton"
     model = build(SUPPORTED[name], "eager").to(kt.device)
     expected = [hf_reference(model, p, 8) for p in PROMPTS]
     model.set_attn_implementation(attention.register())

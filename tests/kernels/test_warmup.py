@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from ops import warmup
+from ops.attention import choose
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_warm_up_runs_each_kernel_and_writes_nothing(kt, monkeypatch, dtype):
     import kernels.cache_ops as co
     import kernels.paged_attention as pa
-    monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
     calls = []
     for module, name in ((pa, "paged_decode"), (pa, "paged_prefill"), (co, "write_kv_triton"),
                          (co, "copy_blocks_triton")):
@@ -31,11 +31,12 @@ def test_warm_up_runs_each_kernel_and_writes_nothing(kt, monkeypatch, dtype):
 
 
 def test_runner_warms_up_only_on_cuda_with_triton(monkeypatch):
-    """On CPU (even with the Triton path forced, interpreted) nothing is compiled, so no warm-up."""
+    """On CPU (even with the Triton path chosen at start, interpreted) nothing is compiled, so no warm-up."""
     from tests.helpers import make_runner, paged_model
     called = []
     monkeypatch.setattr(warmup, "run_each_kernel", lambda *a, **k: called.append(1) or 0.0)
     monkeypatch.setenv("PAGEDSERVE_TRITON", "1")
     make_runner(paged_model(seed=0), block_size=8)
-    assert warmup.warm_up([torch.zeros(2, 8, 1, 16)] * 2, num_heads=2) is None
+    triton = choose(torch.device("cpu"), torch.float32, triton=True)
+    assert warmup.warm_up([torch.zeros(2, 8, 1, 16)] * 2, num_heads=2, backend=triton) is None
     assert called == []

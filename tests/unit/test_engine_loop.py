@@ -12,14 +12,15 @@ from control_plane.engine import Engine
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sampling_params import SamplingParams
 from shared.config import ControlPlaneConfig
-from tests.helpers import DigitTokenizer, InProcessClient, make_runner, paged_model
+from tests.helpers import DigitTokenizer, make_runner, paged_model
+from tests.runner_link import RunnerLink
 
 
 def make_engine(num_blocks=64, block_size=4, budget=32, max_num_seqs=128, mode="auto", **cp):
     runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=64)
     config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                 preemption_mode=mode, **cp)
-    return Engine(config, InProcessClient(runner), runner.handshake(), DigitTokenizer())
+    return Engine(config, RunnerLink(runner), runner.handshake(), DigitTokenizer())
 
 
 def test_after_a_restart_the_watermark_and_block_bytes_follow_the_new_data_plane():

@@ -12,13 +12,14 @@ from control_plane.engine import Engine
 from control_plane.router import Router
 from control_plane.sampling_params import SamplingParams
 from shared.config import ControlPlaneConfig
-from tests.helpers import DigitTokenizer, InProcessClient, make_runner, paged_model
+from tests.helpers import DigitTokenizer, make_runner, paged_model
+from tests.runner_link import RunnerLink
 
 PROMPTS = [[5 + i, 6, 7, 8, 9, 10 + i] for i in range(6)]
 MAX_TOKENS = 12
 
 
-class FlakyClient(InProcessClient):
+class FlakyClient(RunnerLink):
     """A data plane that can die (every exchange raises DataPlaneDead) and come back (its next
     handshake answers, with a new empty pool)."""
 
@@ -27,7 +28,6 @@ class FlakyClient(InProcessClient):
         self.die_after_steps = die_after_steps
         self.steps = 0
         self.back = asyncio.Event()
-        self.address = "in-process"
 
     @property
     def dead(self) -> bool:
@@ -49,7 +49,7 @@ class FlakyClient(InProcessClient):
         return self.runner.handshake()
 
 
-def make_engine(client_of=InProcessClient, **kw):
+def make_engine(client_of=RunnerLink, **kw):
     runner = make_runner(paged_model(seed=0), num_blocks=64, block_size=4, swap_blocks=16)
     config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=32, max_num_seqs=16)
     return Engine(config, client_of(runner, **kw), runner.handshake(), DigitTokenizer())

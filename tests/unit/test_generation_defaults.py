@@ -47,6 +47,32 @@ def test_a_gguf_files_sampling_keys_are_read(tmp_path):
     assert "general.sampling" in where
 
 
+def test_sampling_keys_are_found_past_the_vocabulary_and_a_bad_file_is_refused(tmp_path):
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_array("tokenizer.ggml.tokens", ["<s>", "a", "bb", "ccc"])            # arrays of strings and
+    w.add_array("tokenizer.ggml.token_type", [1, 1, 1, 1])                    # of numbers are stepped over
+    w.add_string("general.name", "tiny")
+    w.add_float32("general.sampling.temp", 0.25)
+    w.add_string("general.sampling.top_p", "high")                            # no request could send it
+    w.add_uint32("general.sampling.top_k", 0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert G.load(str(tmp_path / "v.gguf"), "auto")[0] == {"temperature": 0.25, "top_k": -1}
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(open(tmp_path / "v.gguf", "rb").read()[:60])             # cut inside the metadata
+    with pytest.raises(C.ConfigError, match="not a GGUF file pagedserve can read"):
+        G.load(str(bad), "auto")
+    (tmp_path / "text.gguf").write_text("not gguf at all")
+    with pytest.raises(C.ConfigError, match="no GGUF magic"):
+        G.load(str(tmp_path / "text.gguf"), "auto")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(C.ConfigError, match="not a GGUF file"):
+        G.load(str(tmp_path / "empty.gguf"), "auto")
+
+
 def test_values_a_request_could_not_send_are_dropped(tmp_path):
     path = _gguf(tmp_path / "m.gguf", temp=7.0, top_p=0.9)
     assert G.load(path, "auto")[0] == {"top_p": pytest.approx(0.9)}

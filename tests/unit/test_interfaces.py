@@ -7,7 +7,7 @@ import pytest
 from control_plane.dp_client import DataPlaneClient
 from control_plane.router import Router
 from control_plane.serving import DataPlaneLink, ServingEngine
-from tests.helpers import make_engine
+from tests.helpers import small_engine
 
 
 def members(protocol) -> dict[str, object]:
@@ -29,7 +29,7 @@ def check(obj, protocol) -> None:
 
 
 def test_engine_and_router_serve_the_api():
-    engine, _ = make_engine()
+    engine = small_engine()   # the members are checked, nothing runs: no model needed
     check(engine, ServingEngine)
     check(Router([engine]), ServingEngine)
     assert len(members(ServingEngine)) >= 14
@@ -48,3 +48,8 @@ def test_a_missing_member_is_reported():
         config = tokenizer = stats = draining = None
     with pytest.raises(AssertionError, match="lacks ServingEngine"):
         check(Half(), ServingEngine)
+
+
+def test_the_in_process_link_is_a_data_plane_link():
+    from tests.runner_link import RunnerLink, Unreachable
+    check(RunnerLink(Unreachable(None)), DataPlaneLink)
