@@ -227,14 +227,13 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 #ifdef PAGEDSERVE_AVX512
 // M <= kDirectRows rows of x against one group of 16 output rows, the weights expanded in registers and
 // used at once: no panel buffer to write and read back, which a step of a few rows cannot amortize.
-// The same expansion and the same FMA chain over k in order as the panel's tiles, so the same bits.
 constexpr int64_t kDirectRows = 4;
 
-template <typename T, int M>
-void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) {
+// fn(j, the 16 rows' float32 weights of input 2j, those of input 2j + 1) for every input pair j of group
+// g, in order; the expansion is the panel's (expand_q4, expand_q8) before any rounding to T
+template <typename Fn>
+inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   const int64_t K = w.K, blocks = K / kBlock;
-  __m512 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   const at::Half* scales = w.scales + g * blocks * kGroup;
   if (w.mins != nullptr) {
     const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
@@ -243,38 +242,48 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
       const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
-        const __m512 lo = weight16<T>(
-            _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d), m));
-        const __m512 hi = weight16<T>(
-            _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d), m));
-        for (int r = 0; r < M; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j])), lo, acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j + 1])), hi, acc[r]);
-        }
+        fn(j, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d), m),
+           _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d), m));
       }
     }
   } else {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
       const __m512 d = load_half16(scales + b * kGroup);
-      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-        const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kGroup)));
-        const __m512 wv = weight16<T>(_mm512_mul_ps(_mm512_cvtepi32_ps(c), d));
-        for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + k])), wv, acc[r]);
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        const __m512i c0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * kGroup)));
+        const __m512i c1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * kGroup)));
+        fn(j, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), d), _mm512_mul_ps(_mm512_cvtepi32_ps(c1), d));
       }
     }
   }
+}
+
+// The weights rounded to T, and the same FMA chain over k in order as the panel's tiles: the same bits.
+template <typename T, int M>
+void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) {
+  const int64_t K = w.K;
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  expand_pairs(w, g, [&](int64_t j, __m512 even, __m512 odd) {
+    even = weight16<T>(even);
+    odd = weight16<T>(odd);
+    for (int r = 0; r < M; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j])), even, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j + 1])), odd, acc[r]);
+    }
+  });
   for (int r = 0; r < M; ++r) pagedserve::store16(y + r * N + g * kGroup, acc[r]);
 }
 #endif
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
 #define PAGEDSERVE_CODES_BF16_DOT 1
-// bfloat16 x and y, M <= kDirectRows: the weights of inputs 2j and 2j + 1 are expanded and rounded to
-// bfloat16 as above, then paired lane by lane (W[l, 2j] in the low half, W[l, 2j + 1] in the high one)
-// and multiplied by x's pairs with VDPBF16PS, one instruction for two inputs. Over j front to back from
-// zero, as kernels/cpu/bf16_linear.cpp sums: the codes route gives that kernel's bits for the same
-// bfloat16 weights, so a row's result does not depend on which of the two routes its step took.
+// bfloat16 x and y, M <= kDirectRows: the weights of inputs 2j and 2j + 1 rounded to bfloat16, paired
+// lane by lane (W[l, 2j] in the low half, W[l, 2j + 1] in the high one) and multiplied by x's pairs with
+// VDPBF16PS, one instruction for two inputs. Over j front to back from zero, as kernels/cpu/bf16_linear.cpp
+// sums: the codes route gives that kernel's bits for the same bfloat16 weights, so a row's result does
+// not depend on which of the two routes its step took.
 inline __m512bh pair_bf16(__m512 even, __m512 odd) {
   // cvtne2ps: odd's 16 values in the high 256 bits, even's in the low; then interleave the halves
   const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
@@ -285,40 +294,17 @@ inline __m512bh pair_bf16(__m512 even, __m512 odd) {
 
 template <int M>
 void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64_t N) {
-  const int64_t K = w.K, blocks = K / kBlock;
+  const int64_t K = w.K;
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-  const at::Half* scales = w.scales + g * blocks * kGroup;
-  auto step = [&](int64_t j, __m512bh pair) {
+  expand_pairs(w, g, [&](int64_t j, __m512 even, __m512 odd) {
+    const __m512bh pair = pair_bf16(even, odd);
     for (int r = 0; r < M; ++r) {
       int32_t two;
       std::memcpy(&two, x + r * K + 2 * j, 4);
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(two), pair);
     }
-  };
-  if (w.mins != nullptr) {
-    const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
-    const at::Half* mins = w.mins + g * blocks * kGroup;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
-      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
-        const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
-        const __m512 lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d), m);
-        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d), m);
-        step(j, pair_bf16(lo, hi));
-      }
-    }
-  } else {
-    const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = load_half16(scales + b * kGroup);
-      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
-        const __m512i c0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * kGroup)));
-        const __m512i c1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * kGroup)));
-        step(j, pair_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(c0), d), _mm512_mul_ps(_mm512_cvtepi32_ps(c1), d)));
-      }
-    }
-  }
+  });
   for (int r = 0; r < M; ++r) pagedserve::store16(y + r * N + g * kGroup, acc[r]);
 }
 #endif
