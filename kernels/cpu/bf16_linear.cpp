@@ -21,8 +21,8 @@
 namespace {
 
 constexpr int64_t kGroup = 16;
-constexpr int64_t kPanelGroups = 3;
-constexpr int64_t kTileRows = 8;
+constexpr int64_t kPanelGroups = 4;
+constexpr int64_t kTileRows = 6;
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
 #define PAGEDSERVE_BF16_DOT 1
@@ -60,9 +60,7 @@ void tile_rows(int64_t rows, const bf16* x, const bf16* w, bf16* y, int64_t m0, 
     case 3: tile<3, V>(x, w, y, m0, n0g, K, N); break;
     case 4: tile<4, V>(x, w, y, m0, n0g, K, N); break;
     case 5: tile<5, V>(x, w, y, m0, n0g, K, N); break;
-    case 6: tile<6, V>(x, w, y, m0, n0g, K, N); break;
-    case 7: tile<7, V>(x, w, y, m0, n0g, K, N); break;
-    default: tile<8, V>(x, w, y, m0, n0g, K, N); break;
+    default: tile<kTileRows, V>(x, w, y, m0, n0g, K, N); break;
   }
 }
 #endif
@@ -103,9 +101,12 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
       const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, M - m0);
-        if (count == 3) tile_rows<3>(rows, xp, wp, yp, m0, g0, K, N);
-        else if (count == 2) tile_rows<2>(rows, xp, wp, yp, m0, g0, K, N);
-        else tile_rows<1>(rows, xp, wp, yp, m0, g0, K, N);
+        switch (count) {
+          case 1: tile_rows<1>(rows, xp, wp, yp, m0, g0, K, N); break;
+          case 2: tile_rows<2>(rows, xp, wp, yp, m0, g0, K, N); break;
+          case 3: tile_rows<3>(rows, xp, wp, yp, m0, g0, K, N); break;
+          default: tile_rows<4>(rows, xp, wp, yp, m0, g0, K, N); break;
+        }
       }
     }
   });
