@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane import attention, block_tables, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
+from data_plane.state_pool import DEFAULT_NUM_SLOTS, StatePool, StateStep
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -20,7 +21,7 @@ from ops import quantized
 from ops import warmup
 from ops.cache_ops import copy_blocks
 from shared.config import DTYPE_BYTES, MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
-from shared.protocol import FREED_BLOCK_ID, Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
+from shared.protocol import FREED_BLOCK_ID, NO_STATE_SLOT, Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
 
@@ -33,6 +34,7 @@ class SeqState:
     block_ids: list[int]
     sampling: SamplingSpec
     row: int = -1        # its row of the runner's BlockTables
+    slot: int = NO_STATE_SLOT   # its slot of the state pool (a model with state layers)
 
 
 class PlanError(ValueError):
@@ -86,7 +88,8 @@ class ModelRunner:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
         self.graphs = None
-        if config.decode_graphs == "eager" or capture:
+        # (not for state layers: their per-sequence forward is not captured)
+        if (config.decode_graphs == "eager" or capture) and self.states is None:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture)
@@ -96,6 +99,10 @@ class ModelRunner:
                  attention_ops.backend(device, self.dtype),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
                  routes["codes"], routes["kernel"], routes["packed"])
+        if self.states is not None:
+            log.info("state pool: %d slots of %.1f KiB (layers %s); no swap space (preemption recomputes) "
+                     "and no prefix caching for a model with state layers", self.states.num_slots,
+                     self.states.slot_bytes / 1024, sorted(self.states.states))
 
     def _load(self, model, config: DataPlaneConfig) -> dict | None:
         """The model in the serving type, its shapes, and whether it can be served exactly (refused
@@ -125,6 +132,7 @@ class ModelRunner:
         self.final_logits = support.final_logits
         # > 0: the control plane frees blocks outside this window; their table entries come as -1
         self.sliding_window = support.freeable_window
+        self._state_shapes = support.state_shapes
         self.model_id = config.model
         return wide_codes
 
@@ -144,8 +152,13 @@ class ModelRunner:
                                                     config.kv_cache_gib, reserve)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
-        self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
-                                                                   config.swap_space_gib))
+        # layers with a per-sequence state: a slot each per sequence, and no swap space (a state slot is
+        # not swapped: a preempted sequence is recomputed)
+        self.states = StatePool(self._state_shapes, DEFAULT_NUM_SLOTS, self.dtype, device) \
+            if self._state_shapes else None
+        swap_blocks = 0 if self.states is not None else \
+            SwapPool.blocks_for_budget(block_bytes, config.swap_blocks, config.swap_space_gib)
+        self.swap = SwapPool(self.pool, swap_blocks)
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
@@ -175,7 +188,8 @@ class ModelRunner:
         return Handshake(self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                          str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
                          self.swap.num_blocks,
-                         self.max_model_len, device, eos_ids, sliding_window=self.sliding_window)
+                         self.max_model_len, device, eos_ids, sliding_window=self.sliding_window,
+                         num_state_slots=self.states.num_slots if self.states is not None else 0)
 
     # --- plan bookkeeping -------------------------------------------------------------
     def _check_blocks(self, block_ids, table: bool = False) -> None:
@@ -223,11 +237,19 @@ class ModelRunner:
     def _add(self, new: NewSequence) -> None:
         self._check_blocks(new.block_ids, table=True)
         self._check_tokens(new.seq_id, new.token_ids)
+        if self.states is not None:
+            if new.state_slot == NO_STATE_SLOT:
+                raise PlanError(f"sequence {new.seq_id} has no state slot; the model has state layers")
+            try:
+                self.states.check([new.state_slot])
+            except ValueError as exc:
+                raise PlanError(f"sequence {new.seq_id}: {exc}") from None
         old = self.seqs.get(new.seq_id)
         if old is not None:   # a sequence sent again whole (recomputed) takes a fresh row
             self.tables.release(old.row)
         self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                         list(new.block_ids), new.sampling, self.tables.add(list(new.block_ids)))
+                                         list(new.block_ids), new.sampling, self.tables.add(list(new.block_ids)),
+                                         new.state_slot)
 
     # --- execution ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -236,6 +258,13 @@ class ModelRunner:
             self.swap.check(plan.swap_out, plan.swap_in)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
+        if plan.state_copies:
+            if self.states is None:
+                raise PlanError("the plan copies state slots; the model has no state layers")
+            try:
+                self.states.check([slot for pair in plan.state_copies for slot in pair])
+            except ValueError as exc:
+                raise PlanError(str(exc)) from None
         scheduled = self._apply_plan(plan)
         # swap-out first: a block swapped out may be swapped into, or copied into, this same step
         self.swap.swap_out(plan.swap_out)
@@ -244,6 +273,8 @@ class ModelRunner:
             src, dst = zip(*plan.copies)
             self._check_blocks(src + dst)
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
+        if plan.state_copies:   # forks' children start from their parents' states
+            self.states.copy(plan.state_copies)
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
         sampled, num_tokens, prompt_scores = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0, [])
@@ -252,6 +283,7 @@ class ModelRunner:
 
     def _prepare(self, scheduled):
         input_ids, positions, slots, seq_lens, starts, rows, sample_rows = [], [], [], [], [0], [], []
+        state_seqs = []
         max_blocks = 1
         bs = self.block_size
         for seq_id, num_new in scheduled:
@@ -273,6 +305,8 @@ class ModelRunner:
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
             rows.append(st.row)
+            if self.states is not None:
+                state_seqs.append((starts[-2], starts[-1], st.slot, begin == 0))
             max_blocks = max(max_blocks, len(table))
             if end == len(st.token_ids):
                 sample_rows.append((seq_id, starts[-1] - 1))
@@ -284,7 +318,8 @@ class ModelRunner:
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None)
         if not self.triton:   # the CPU kernel's rows, once for every layer of the step
             if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
                 ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,

@@ -136,6 +136,7 @@ SUPPORTED = {
     "Falcon (new decoder architecture, 2 KV heads)": _falcon(new_decoder_architecture=True, num_kv_heads=2),
     "DeepSeek-V2 (latent attention, K 24 wide, V 16)": _deepseek("V2"),
     "DeepSeek-V3 (latent attention, K 24 wide, V 16, q_lora)": _deepseek("V3", q_lora_rank=16),
+    "LFM2 (short convolutions on the state pool, attention)": lambda: _lfm2(),
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
@@ -170,13 +171,20 @@ def _mamba():
 
 
 def _state_model(kind: str, **extra):
-    """A hybrid or state-space model: layers that keep a per-sequence state, refused until a state pool exists."""
+    """A hybrid or state-space model: layers that keep a per-sequence state (served on the state pool, or
+    refused until its layers are)."""
     def build():
         import transformers
-        config = getattr(transformers, f"{kind}Config")(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                                         num_hidden_layers=2, **extra)
+        config = getattr(transformers, f"{kind}Config")(**{**dict(vocab_size=VOCAB, hidden_size=64,
+                                                                  intermediate_size=128, num_hidden_layers=2), **extra})
         return config, getattr(transformers, f"{kind}ForCausalLM")
     return build
+
+
+def _lfm2():
+    # convolution layers first and last, so that a state layer reads the embeddings and feeds the head
+    return _state_model("Lfm2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                        layer_types=["conv", "full_attention", "conv"])()
 
 
 _MAMBA2_HEADS = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
@@ -195,8 +203,6 @@ STATE_MODELS = {
                                      num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
                                      expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
                                      use_mamba_kernels=False),
-    "Lfm2ForCausalLM": _state_model("Lfm2", num_attention_heads=4, num_key_value_heads=2,
-                                    layer_types=["conv", "full_attention"]),
     "Mamba2ForCausalLM": _state_model("Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1),
 }
 

@@ -1,0 +1,68 @@
+"""The device state pool: per state layer, one fixed-size slot per sequence, allocated beside the KV pool.
+
+    states[layer][slot] = that layer's state for the sequence holding the slot
+
+A layer that keeps a per-sequence state instead of a KV cache (LFM2's short convolution keeps the
+last kernel - 1 inputs of its convolution) reads and writes its slot at every step; the state after
+a sequence's computed tokens, whatever their number, is all the layer needs to go on. The control
+plane decides which sequence holds which slot (control_plane/state_slots.py) and sends slot ids in
+the plan: NewSequence.state_slot, and StepPlan.state_copies for forks. A sequence whose step starts
+at position 0 starts from zeros, whatever its slot held before (so a slot is never cleared). A model
+without state layers has no pool and pays nothing.
+
+`StateStep` is what one forward pass tells the state layers (data_plane/state_layers.py): for each
+scheduled sequence, its rows of the flattened batch, its slot, and whether it starts from zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# slots when the model has state layers: one per running sequence; the control plane admits no more
+DEFAULT_NUM_SLOTS = 256
+
+
+class StatePool:
+    def __init__(self, shapes: dict[int, tuple[int, ...]], num_slots: int, dtype: torch.dtype,
+                 device: torch.device):
+        """`shapes`: layer index -> the shape of one sequence's state in that layer."""
+        if num_slots < 1:
+            raise ValueError(f"a state pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.states = {layer: torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+                       for layer, shape in shapes.items()}
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's state, every state layer together."""
+        return sum(t[0].numel() * t.element_size() for t in self.states.values())
+
+    def layer(self, index: int) -> torch.Tensor:
+        return self.states[index]
+
+    def check(self, slots) -> None:
+        for slot in slots:
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"state slot {slot} out of range [0, {self.num_slots})")
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(src slot, dst slot): a fork's child starts from its parent's state; in order."""
+        for src, dst in pairs:
+            for states in self.states.values():
+                states[dst].copy_(states[src])
+
+
+@dataclass
+class StateStep:
+    pool: StatePool
+    # per scheduled sequence, in the order of the flattened batch: (first row, end row, slot, from zeros)
+    seqs: list[tuple[int, int, int, bool]]
+    decode_only: bool              # every sequence computes one token and continues a state
+    slots: torch.Tensor | None = None   # int64 [seqs] on the device: the slots, for decode-only steps
+
+    @classmethod
+    def build(cls, pool: StatePool, seqs: list[tuple[int, int, int, bool]], device: torch.device) -> "StateStep":
+        decode_only = all(end - start == 1 and not fresh for start, end, _, fresh in seqs)
+        slots = torch.tensor([s[2] for s in seqs], dtype=torch.int64, device=device) if decode_only else None
+        return cls(pool, seqs, decode_only, slots)
