@@ -174,6 +174,12 @@ class Engine:
                                   "prompt", "invalid_token_id")
         check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
         self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
+        slots = self.hs.num_state_slots
+        if slots and params.best_of > slots:
+            # each sequence of a request holds a state slot, and a request preempted whole comes back whole
+            raise ValidationError(f"{params.best_of} sequences (n, best_of or the beam width) need as many state "
+                                  f"slots; this model keeps a per-sequence state and the server has {slots}",
+                                  "best_of")
         if params.constraint is not None:
             if self.config.async_scheduling:
                 # a step planned ahead would need the mask of a token not yet sampled
