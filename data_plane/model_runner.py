@@ -83,7 +83,8 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
         self._arange = torch.arange(64, dtype=torch.int64, device=device)
-        compiled = warmup.warm_up(self.layer_caches, self.model.config.num_attention_heads // config.tensor_parallel_size)
+        compiled = warmup.warm_up(self.layer_caches, (getattr(self.model.config, "num_attention_heads", None)
+                                                      or self.num_kv_heads) // config.tensor_parallel_size)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
@@ -121,8 +122,7 @@ class ModelRunner:
         mc = model.config
         self.num_layers = mc.num_hidden_layers
         # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)
-        self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
-            // config.tensor_parallel_size
+        self.num_kv_heads = model_support.kv_heads(mc) // config.tensor_parallel_size
         self.head_dim = model_support.head_dim(mc)
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
         self.max_model_len = min(model_max, config.max_model_len or model_max)

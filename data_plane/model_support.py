@@ -36,7 +36,9 @@ SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 # gated delta-net linear attention (Qwen3-Next), short convolutions (LFM2), attention beside an SSM (Falcon-H1)
 STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 # model type -> its state layer kinds that data_plane/state_layers.py serves on the state pool
-SERVED_STATE_LAYERS = {"lfm2": {"conv"}}
+# (transformers names every SSM layer kind "linear_attention", Mamba2 mixers included)
+SERVED_STATE_LAYERS = {"lfm2": {"conv"}, "mamba2": {"linear_attention"}, "granitemoehybrid": {"linear_attention"},
+                       "bamba": {"linear_attention"}}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
@@ -87,9 +89,19 @@ def head_dim(config) -> int:
     """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same): with
     multi-head latent attention (DeepSeek-V2/V3) the K head size, query and key, nope and rotary parts
     together; V heads are narrower and are stored padded to it (data_plane/attention.py)."""
+    if not attention_layers(config):
+        return 1   # no layer attends (Mamba2): see kv_heads
     if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_head_dim", None):
         return config.qk_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads(config) -> int:
+    """The KV heads of each layer of the pool; 1 for a model no layer of which attends (Mamba2): its pool of
+    one value per token only stands for the tokens the control plane's blocks count."""
+    if not attention_layers(config):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def config_windows(config) -> list[int | None]:
@@ -157,7 +169,10 @@ def attention_layers(config) -> list[int]:
 def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
     layers = config.num_hidden_layers
     expected = attention_layers(config)
-    if not calls and expected:
+    if not expected:
+        return [] if not calls else [f"its layers of state kinds made attention calls (layers "
+                                     f"{[c.layer_idx for c in calls]})"]
+    if not calls:
         return ["its attention does not go through transformers' attention interface (it computes "
                 "attention in its own code)"]
     reasons = []
@@ -165,7 +180,7 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
     if sorted(i for i in seen if i is not None) != expected or len(seen) != len(expected):
         reasons.append(f"its {layers} layers made attention calls for layers {seen}; pagedserve needs one "
                        f"call per attention layer ({expected}), each with its layer index")
-    dim, kv_heads = head_dim(config), getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim, heads = head_dim(config), kv_heads(config)
     windows = config_windows(config)
     for c in calls:
         if c.key_shape[-1] < c.value_shape[-1]:
@@ -173,8 +188,8 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
                            "the KV pool holds V heads no wider than K heads")
         elif c.key_shape[-1] != dim or c.query_shape[-1] != dim:
             reasons.append(f"attention heads of size {c.key_shape[-1]} do not match the config's head size {dim}")
-        if c.key_shape[1] != kv_heads or c.query_shape[1] % c.key_shape[1]:
-            reasons.append(f"{c.key_shape[1]} KV heads for {c.query_shape[1]} query heads (config: {kv_heads})")
+        if c.key_shape[1] != heads or c.query_shape[1] % c.key_shape[1]:
+            reasons.append(f"{c.key_shape[1]} KV heads for {c.query_shape[1]} query heads (config: {heads})")
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
             reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
                            f"declares {windows[c.layer_idx]}")

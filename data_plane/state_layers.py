@@ -7,15 +7,23 @@ replaced, while a step runs, by one that splits the row by sequence, starts each
 state (or zeros at position 0) and writes the state after its last token back. Outside a step (the
 start-time probe, transformers' own `generate`) the layer runs its own forward, unchanged.
 
-Served: LFM2's short convolution (`Lfm2ShortConv`). Its state is the last kernel - 1 inputs of the
-causal depthwise convolution; the output of a chunk of tokens is the convolution, without padding,
-of the state followed by the chunk, which is what transformers computes for a whole prompt (zeros
-padded in front) and for one decoded token (its cache's window followed by the token). A prompt
-prefilled in chunks therefore gives the same numbers as one prefilled at once.
+Served:
+- LFM2's short convolution (`Lfm2ShortConv`): its state is the last kernel - 1 inputs of a causal
+  depthwise convolution. The output of a run of tokens is the convolution, without padding, of the
+  state followed by the run: what transformers computes for a whole prompt (zeros padded in front)
+  and for one decoded token (its cache's window followed by the token).
+- The Mamba2 mixer (`Mamba2Mixer`; Granite 4.0 hybrid's and Bamba's are the same code): the same kind
+  of convolution (then SiLU) and an SSM state [heads, head size, state size], kept in float32 as
+  transformers keeps it. A run of several tokens goes through the model's own chunked scan
+  (`mamba2_chunk_scan`) from the slot's state, one token through its own recurrent update
+  (`mamba2_selective_state_update`), as transformers' prefill and decode do. A prompt prefilled in
+  chunks is scanned from the state at each chunk's start: the same sums as one scan over the whole
+  prompt, regrouped at the chunk boundaries (equal up to float rounding).
 """
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +33,15 @@ from data_plane import attention
 _INSTALLED = "_pagedserve_state_layer"
 
 
-def _short_conv_shape(module) -> tuple[int, ...]:
-    return module.conv.weight.shape[0], module.conv.weight.shape[-1] - 1   # channels, kernel - 1
-
-
-def _short_conv_forward(module, step, hidden_states, **kwargs):
-    """LFM2's gated short convolution over a step's flattened rows [1, tokens, hidden]."""
-    bcx = module.in_proj(hidden_states).transpose(-1, -2)    # [1, 3 * hidden, tokens]
-    b, c, x = bcx.chunk(3, dim=-2)
-    bx = (b * x)[0]                                          # [hidden, tokens]
-    weight, bias = module.conv.weight, module.conv.bias      # [hidden, 1, kernel]
-    channels, width = _short_conv_shape(module)
-    states = step.pool.layer(module.layer_idx)               # [slots, hidden, kernel - 1]
+def _conv_run(bx: torch.Tensor, conv, states: torch.Tensor, step, act=None) -> torch.Tensor:
+    """The causal depthwise convolution `conv` over each sequence's run of columns of bx [channels,
+    tokens], from its slot's window of the previous kernel - 1 inputs in `states` [slots, channels,
+    kernel - 1], which it then updates; `act` applied to the output."""
+    weight, bias = conv.weight, conv.bias                    # [channels, 1, kernel]
+    channels, width = weight.shape[0], weight.shape[-1] - 1
     if step.decode_only:   # one token each: every sequence's window in one convolution
         windows = torch.cat([states.index_select(0, step.slots), bx.t()[:, :, None]], dim=-1)
-        out = F.conv1d(windows, weight, bias, groups=channels)[:, :, 0].t()     # [hidden, seqs]
+        out = F.conv1d(windows, weight, bias, groups=channels)[:, :, 0].t()     # [channels, seqs]
         states.index_copy_(0, step.slots, windows[:, :, 1:])
     else:
         out = torch.empty_like(bx)
@@ -48,12 +50,86 @@ def _short_conv_forward(module, step, hidden_states, **kwargs):
             window = torch.cat([before, bx[:, start:end]], dim=-1)
             out[:, start:end] = F.conv1d(window[None], weight, bias, groups=channels)[0]
             states[slot] = window[:, -width:]
+    return out if act is None else act(out)
+
+
+def _conv_part(conv) -> tuple[tuple[int, ...], None]:
+    return (conv.weight.shape[0], conv.weight.shape[-1] - 1), None   # channels, kernel - 1; the model's dtype
+
+
+# --- LFM2 ------------------------------------------------------------------------------------------------
+def _short_conv_parts(module):
+    return (_conv_part(module.conv),)
+
+
+def _short_conv_forward(module, step, hidden_states):
+    """LFM2's gated short convolution over a step's flattened rows [1, tokens, hidden]."""
+    bcx = module.in_proj(hidden_states).transpose(-1, -2)    # [1, 3 * hidden, tokens]
+    b, c, x = bcx.chunk(3, dim=-2)
+    (states,) = step.pool.layer(module.layer_idx)
+    out = _conv_run((b * x)[0], module.conv, states, step)
     y = (c[0] * out).t().contiguous()[None]                  # [1, tokens, hidden]
     return module.out_proj(y)
 
 
-# state layer class -> (the shape of one sequence's state, the forward on the state pool)
-LAYERS = {"Lfm2ShortConv": (_short_conv_shape, _short_conv_forward)}
+# --- Mamba2 ----------------------------------------------------------------------------------------------
+def _mamba2_parts(module):
+    ssm = (module.num_heads, module.head_dim, module.ssm_state_size), torch.float32
+    return _conv_part(module.conv1d), ssm
+
+
+def _mamba2_forward(module, step, hidden_states):
+    """transformers' Mamba2 mixer (its torch path, no padding mask) over a step's flattened rows."""
+    ops = sys.modules[type(module).__module__]   # the model file's own scan functions
+    conv_states, ssm_states = step.pool.layer(module.layer_idx)
+    projected = module.in_proj(hidden_states)                 # [1, tokens, ...]
+    a = -torch.exp(module.A_log.float())
+    gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    xbc = _conv_run(xbc[0].t(), module.conv1d, conv_states, step, module.act).t()   # [tokens, conv_dim]
+    groups, size, heads, head_dim = module.n_groups, module.ssm_state_size, module.num_heads, module.head_dim
+    x, b, c = torch.split(xbc, [module.intermediate_size, groups * size, groups * size], dim=-1)
+    # float32, as the scan returns it and transformers normalizes it
+    out = torch.empty(x.shape[0], module.intermediate_size, dtype=torch.float32, device=x.device)
+    if step.decode_only:
+        out[:] = _mamba2_token(ops, module, ssm_states, step.slots, x, dt[0], a, b, c)
+    else:
+        for start, end, slot, fresh in step.seqs:
+            n = end - start
+            if n == 1 and not fresh:
+                slots = torch.tensor([slot], device=x.device)
+                out[start:end] = _mamba2_token(ops, module, ssm_states, slots, x[start:end], dt[0, start:end], a,
+                                               b[start:end], c[start:end])
+                continue
+            scanned, final = ops.mamba2_chunk_scan(
+                x[None, start:end].reshape(1, n, heads, head_dim), dt[:, start:end], a,
+                b[None, start:end].reshape(1, n, groups, size), c[None, start:end].reshape(1, n, groups, size),
+                chunk_size=module.chunk_size, D=module.D, z=None, return_final_states=True,
+                dt_bias=module.dt_bias, dt_softplus=True, initial_states=None if fresh else ssm_states[slot][None],
+                dt_limit=module.time_step_limit)
+            ssm_states[slot] = final[0]
+            out[start:end] = scanned.reshape(n, -1)
+    y = module.norm(out[None], gate)
+    return module.out_proj(y.to(hidden_states.dtype))
+
+
+def _mamba2_token(ops, module, ssm_states, slots, x, dt, a, b, c):
+    """One token each of len(slots) sequences through the recurrent update, as transformers decodes."""
+    n, heads, head_dim, size = x.shape[0], module.num_heads, module.head_dim, module.ssm_state_size
+    state = ssm_states.index_select(0, slots)
+    out = ops.mamba2_selective_state_update(
+        state, x.view(n, heads, head_dim), dt[:, :, None].expand(-1, -1, head_dim),
+        a[:, None, None].expand(-1, head_dim, size), b.view(n, module.n_groups, size),
+        c.view(n, module.n_groups, size), module.D[:, None].expand(-1, head_dim), z=None,
+        dt_bias=module.dt_bias[:, None].expand(-1, head_dim), dt_softplus=True)
+    ssm_states.index_copy_(0, slots, state)
+    return out.view(n, -1)
+
+
+# state layer class -> ((shape, dtype) of each part of one sequence's state, the forward on the state pool)
+LAYERS = {"Lfm2ShortConv": (_short_conv_parts, _short_conv_forward),
+          "Mamba2Mixer": (_mamba2_parts, _mamba2_forward),
+          "GraniteMoeHybridMambaLayer": (_mamba2_parts, _mamba2_forward),
+          "BambaMixer": (_mamba2_parts, _mamba2_forward)}
 
 
 def _dispatch(module, own, paged, *args, **kwargs):
@@ -65,13 +141,13 @@ def _dispatch(module, own, paged, *args, **kwargs):
 
 
 def find(model) -> dict[int, tuple]:
-    """layer index -> the shape of one sequence's state, for every state layer we serve."""
-    shapes = {}
+    """layer index -> the (shape, dtype) of each part of one sequence's state, for every state layer we serve."""
+    parts = {}
     for module in model.modules():
         entry = LAYERS.get(type(module).__name__)
         if entry is not None:
-            shapes[module.layer_idx] = tuple(entry[0](module))
-    return shapes
+            parts[module.layer_idx] = tuple(entry[0](module))
+    return parts
 
 
 def install(model) -> None:

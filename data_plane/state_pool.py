@@ -1,9 +1,10 @@
 """The device state pool: per state layer, one fixed-size slot per sequence, allocated beside the KV pool.
 
-    states[layer][slot] = that layer's state for the sequence holding the slot
+    states[layer][i][slot] = part i of that layer's state for the sequence holding the slot
 
 A layer that keeps a per-sequence state instead of a KV cache (LFM2's short convolution keeps the
-last kernel - 1 inputs of its convolution) reads and writes its slot at every step; the state after
+last kernel - 1 inputs of its convolution; a Mamba2 mixer keeps those of its convolution and its SSM state)
+reads and writes its slot at every step; the state after
 a sequence's computed tokens, whatever their number, is all the layer needs to go on. The control
 plane decides which sequence holds which slot (control_plane/state_slots.py) and sends slot ids in
 the plan: NewSequence.state_slot, and StepPlan.state_copies for forks. A sequence whose step starts
@@ -24,21 +25,23 @@ DEFAULT_NUM_SLOTS = 256
 
 
 class StatePool:
-    def __init__(self, shapes: dict[int, tuple[int, ...]], num_slots: int, dtype: torch.dtype,
-                 device: torch.device):
-        """`shapes`: layer index -> the shape of one sequence's state in that layer."""
+    def __init__(self, parts: dict[int, tuple[tuple[tuple[int, ...], torch.dtype | None], ...]], num_slots: int,
+                 dtype: torch.dtype, device: torch.device):
+        """`parts`: layer index -> (shape, dtype) of each part of one sequence's state in that layer (dtype
+        None: the model's `dtype`)."""
         if num_slots < 1:
             raise ValueError(f"a state pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self.states = {layer: torch.zeros(num_slots, *shape, dtype=dtype, device=device)
-                       for layer, shape in shapes.items()}
+        self.states = {layer: tuple(torch.zeros(num_slots, *shape, dtype=part_dtype or dtype, device=device)
+                                    for shape, part_dtype in layer_parts)
+                       for layer, layer_parts in parts.items()}
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one sequence's state, every state layer together."""
-        return sum(t[0].numel() * t.element_size() for t in self.states.values())
+        return sum(t[0].numel() * t.element_size() for parts in self.states.values() for t in parts)
 
-    def layer(self, index: int) -> torch.Tensor:
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         return self.states[index]
 
     def check(self, slots) -> None:
@@ -49,8 +52,9 @@ class StatePool:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src slot, dst slot): a fork's child starts from its parent's state; in order."""
         for src, dst in pairs:
-            for states in self.states.values():
-                states[dst].copy_(states[src])
+            for parts in self.states.values():
+                for states in parts:
+                    states[dst].copy_(states[src])
 
 
 @dataclass

@@ -137,6 +137,14 @@ SUPPORTED = {
     "DeepSeek-V2 (latent attention, K 24 wide, V 16)": _deepseek("V2"),
     "DeepSeek-V3 (latent attention, K 24 wide, V 16, q_lora)": _deepseek("V3", q_lora_rank=16),
     "LFM2 (short convolutions on the state pool, attention)": lambda: _lfm2(),
+    "Mamba2 (SSM on the state pool, scan chunks of 8)": lambda: _state_model(
+        "Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1, chunk_size=8)(),
+    "Granite-MoE-Hybrid (Mamba2 and attention, MoE)": lambda: _state_model(
+        "GraniteMoeHybrid", num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["mamba", "attention"], mamba_chunk_size=8, **{**_MAMBA2_HEADS, "mamba_d_head": 32})(),
+    "Bamba (Mamba2 and attention)": lambda: _state_model(
+        "Bamba", num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_chunk_size=8,
+        **{**_MAMBA2_HEADS, "mamba_d_head": 32})(),
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
@@ -194,16 +202,12 @@ STATE_MODELS = {
         moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention"]),
-    "GraniteMoeHybridForCausalLM": _state_model(
-        "GraniteMoeHybrid", num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
-        layer_types=["mamba", "attention"], **{**_MAMBA2_HEADS, "mamba_d_head": 32}),
     "FalconH1ForCausalLM": _state_model("FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                         mamba_d_ssm=64, **_MAMBA2_HEADS),
     "JambaForCausalLM": _state_model("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2,
                                      num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
                                      expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
                                      use_mamba_kernels=False),
-    "Mamba2ForCausalLM": _state_model("Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1),
 }
 
 
