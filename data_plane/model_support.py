@@ -38,7 +38,7 @@ STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 # model type -> its state layer kinds that data_plane/state_layers.py serves on the state pool
 # (transformers names every SSM layer kind "linear_attention", Mamba2 mixers included)
 SERVED_STATE_LAYERS = {"lfm2": {"conv"}, "mamba2": {"linear_attention"}, "granitemoehybrid": {"linear_attention"},
-                       "bamba": {"linear_attention"}}
+                       "bamba": {"linear_attention"}, "falcon_h1": {"hybrid"}}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
@@ -161,9 +161,16 @@ def _probe_ids(model) -> torch.Tensor:
 
 
 def attention_layers(config) -> list[int]:
-    """The layers that attend (every one but those of a state kind, such as LFM2's convolutions)."""
+    """The layers that attend: every one but those of a state kind (LFM2's convolutions, Mamba2 mixers),
+    except "hybrid" layers (Falcon-H1), which do both."""
     types = getattr(config, "layer_types", None)
-    return [i for i in range(config.num_hidden_layers) if not types or types[i] not in STATE_LAYER_TYPES]
+    return [i for i in range(config.num_hidden_layers) if not types or types[i] not in STATE_LAYER_TYPES - {"hybrid"}]
+
+
+def state_layers_of(config) -> list[int]:
+    """The layers that keep a per-sequence state."""
+    types = getattr(config, "layer_types", None) or []
+    return [i for i, kind in enumerate(types) if kind in STATE_LAYER_TYPES]
 
 
 def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
@@ -291,7 +298,7 @@ def check_model(model) -> Support:
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
     reasons = _call_reasons(config, calls)
     shapes = state_layers.find(model)
-    stateful = sorted(set(range(config.num_hidden_layers)) - set(attention_layers(config)))
+    stateful = state_layers_of(config)
     if sorted(shapes) != stateful:
         reasons.append(f"its state layers {stateful} are not the layers pagedserve computes on the state pool "
                        f"({sorted(shapes)})")

@@ -12,7 +12,8 @@ Served:
   depthwise convolution. The output of a run of tokens is the convolution, without padding, of the
   state followed by the run: what transformers computes for a whole prompt (zeros padded in front)
   and for one decoded token (its cache's window followed by the token).
-- The Mamba2 mixer (`Mamba2Mixer`; Granite 4.0 hybrid's and Bamba's are the same code): the same kind
+- The Mamba2 mixer (`Mamba2Mixer`; Granite 4.0 hybrid's and Bamba's are the same code, Falcon-H1's adds
+  multipliers and may gate by SiLU instead of its gated norm): the same kind
   of convolution (then SiLU) and an SSM state [heads, head size, state size], kept in float32 as
   transformers keeps it. A run of several tokens goes through the model's own chunked scan
   (`mamba2_chunk_scan`) from the slot's state, one token through its own recurrent update
@@ -82,7 +83,14 @@ def _mamba2_forward(module, step, hidden_states):
     """transformers' Mamba2 mixer (its torch path, no padding mask) over a step's flattened rows."""
     ops = sys.modules[type(module).__module__]   # the model file's own scan functions
     conv_states, ssm_states = step.pool.layer(module.layer_idx)
+    mup = getattr(module, "mup_vector", None)    # Falcon-H1's multipliers
+    if mup is not None:
+        hidden_states = hidden_states * module.ssm_in_multiplier
     projected = module.in_proj(hidden_states)                 # [1, tokens, ...]
+    if mup is not None:
+        projected = projected * mup
+    # Falcon-H1 without its gated norm gates the scan's output by SiLU(gate) (inside the recurrent update)
+    normed = getattr(module, "mamba_rms_norm", True)
     a = -torch.exp(module.A_log.float())
     gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
     xbc = _conv_run(xbc[0].t(), module.conv1d, conv_states, step, module.act).t()   # [tokens, conv_dim]
@@ -91,14 +99,14 @@ def _mamba2_forward(module, step, hidden_states):
     # float32, as the scan returns it and transformers normalizes it
     out = torch.empty(x.shape[0], module.intermediate_size, dtype=torch.float32, device=x.device)
     if step.decode_only:
-        out[:] = _mamba2_token(ops, module, ssm_states, step.slots, x, dt[0], a, b, c)
+        out[:] = _mamba2_token(ops, module, ssm_states, step.slots, x, dt[0], a, b, c, None if normed else gate[0])
     else:
         for start, end, slot, fresh in step.seqs:
             n = end - start
             if n == 1 and not fresh:
                 slots = torch.tensor([slot], device=x.device)
                 out[start:end] = _mamba2_token(ops, module, ssm_states, slots, x[start:end], dt[0, start:end], a,
-                                               b[start:end], c[start:end])
+                                               b[start:end], c[start:end], None if normed else gate[0, start:end])
                 continue
             scanned, final = ops.mamba2_chunk_scan(
                 x[None, start:end].reshape(1, n, heads, head_dim), dt[:, start:end], a,
@@ -107,19 +115,21 @@ def _mamba2_forward(module, step, hidden_states):
                 dt_bias=module.dt_bias, dt_softplus=True, initial_states=None if fresh else ssm_states[slot][None],
                 dt_limit=module.time_step_limit)
             ssm_states[slot] = final[0]
-            out[start:end] = scanned.reshape(n, -1)
-    y = module.norm(out[None], gate)
+            scanned = scanned.reshape(n, -1)
+            out[start:end] = scanned if normed else scanned * F.silu(gate[0, start:end])
+    y = module.norm(out[None], gate) if normed else out[None]
     return module.out_proj(y.to(hidden_states.dtype))
 
 
-def _mamba2_token(ops, module, ssm_states, slots, x, dt, a, b, c):
+def _mamba2_token(ops, module, ssm_states, slots, x, dt, a, b, c, z=None):
     """One token each of len(slots) sequences through the recurrent update, as transformers decodes."""
     n, heads, head_dim, size = x.shape[0], module.num_heads, module.head_dim, module.ssm_state_size
     state = ssm_states.index_select(0, slots)
     out = ops.mamba2_selective_state_update(
         state, x.view(n, heads, head_dim), dt[:, :, None].expand(-1, -1, head_dim),
         a[:, None, None].expand(-1, head_dim, size), b.view(n, module.n_groups, size),
-        c.view(n, module.n_groups, size), module.D[:, None].expand(-1, head_dim), z=None,
+        c.view(n, module.n_groups, size), module.D[:, None].expand(-1, head_dim),
+        z=None if z is None else z.view(n, heads, head_dim),
         dt_bias=module.dt_bias[:, None].expand(-1, head_dim), dt_softplus=True)
     ssm_states.index_copy_(0, slots, state)
     return out.view(n, -1)
@@ -129,7 +139,8 @@ def _mamba2_token(ops, module, ssm_states, slots, x, dt, a, b, c):
 LAYERS = {"Lfm2ShortConv": (_short_conv_parts, _short_conv_forward),
           "Mamba2Mixer": (_mamba2_parts, _mamba2_forward),
           "GraniteMoeHybridMambaLayer": (_mamba2_parts, _mamba2_forward),
-          "BambaMixer": (_mamba2_parts, _mamba2_forward)}
+          "BambaMixer": (_mamba2_parts, _mamba2_forward),
+          "FalconH1Mixer": (_mamba2_parts, _mamba2_forward)}
 
 
 def _dispatch(module, own, paged, *args, **kwargs):

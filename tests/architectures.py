@@ -145,6 +145,9 @@ SUPPORTED = {
     "Bamba (Mamba2 and attention)": lambda: _state_model(
         "Bamba", num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_chunk_size=8,
         **{**_MAMBA2_HEADS, "mamba_d_head": 32})(),
+    "Falcon-H1 (Mamba2 beside attention in every layer, SiLU gate)": lambda: _state_model(
+        "FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_chunk_size=8,
+        **_MAMBA2_HEADS)(),
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
@@ -202,8 +205,6 @@ STATE_MODELS = {
         moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention"]),
-    "FalconH1ForCausalLM": _state_model("FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        mamba_d_ssm=64, **_MAMBA2_HEADS),
     "JambaForCausalLM": _state_model("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2,
                                      num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
                                      expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
