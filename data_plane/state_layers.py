@@ -20,6 +20,9 @@ Served:
   (`mamba2_selective_state_update`), as transformers' prefill and decode do. A prompt prefilled in
   chunks is scanned from the state at each chunk's start: the same sums as one scan over the whole
   prompt, regrouped at the chunk boundaries (equal up to float rounding).
+- Qwen3-Next's gated delta-net (`Qwen3NextGatedDeltaNet`): the same convolution (then SiLU) and a float32
+  recurrent state [value heads, key head size, value head size], through the model's own chunked rule
+  for a run of tokens and its recurrent rule for one, as transformers' prefill and decode do.
 """
 from __future__ import annotations
 
@@ -135,12 +138,55 @@ def _mamba2_token(ops, module, ssm_states, slots, x, dt, a, b, c, z=None):
     return out.view(n, -1)
 
 
+# --- gated delta-net (Qwen3-Next's linear attention) --------------------------------------------------------
+def _delta_net_parts(module):
+    recurrent = (module.num_v_heads, module.head_k_dim, module.head_v_dim), torch.float32
+    return _conv_part(module.conv1d), recurrent
+
+
+def _delta_net_forward(module, step, hidden_states):
+    """transformers' gated delta-net (its torch path) over a step's flattened rows."""
+    from transformers.activations import ACT2FN
+    ops = sys.modules[type(module).__module__]
+    conv_states, recurrent_states = step.pool.layer(module.layer_idx)
+    query, key, value, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
+                                                                     module.in_proj_ba(hidden_states))
+    mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key, value)], dim=-1)
+    mixed = _conv_run(mixed[0].t(), module.conv1d, conv_states, step, ACT2FN[module.activation]).t()
+    query, key, value = torch.split(mixed[None], [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(1, query.shape[1], -1, module.head_k_dim)
+    key = key.reshape(1, key.shape[1], -1, module.head_k_dim)
+    value = value.reshape(1, value.shape[1], -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    if step.decode_only:   # one token each: the recurrent rule over the batch of sequences
+        state = recurrent_states.index_select(0, step.slots)
+        out, final = ops.torch_recurrent_gated_delta_rule(
+            *(t[0][:, None] for t in (query, key, value)), g=g[0][:, None], beta=beta[0][:, None],
+            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        recurrent_states.index_copy_(0, step.slots, final)
+        out = out[:, 0][None]                                   # [1, tokens, heads, v head size]
+    else:
+        out = torch.empty_like(value)
+        for start, end, slot, fresh in step.seqs:
+            run = ops.torch_recurrent_gated_delta_rule if end - start == 1 and not fresh else \
+                ops.torch_chunk_gated_delta_rule
+            piece, final = run(query[:, start:end], key[:, start:end], value[:, start:end], g=g[:, start:end],
+                               beta=beta[:, start:end], initial_state=None if fresh else recurrent_states[slot][None],
+                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+            recurrent_states[slot] = final[0]
+            out[:, start:end] = piece
+    normed = module.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
+    return module.out_proj(normed.reshape(1, out.shape[1], -1))
+
+
 # state layer class -> ((shape, dtype) of each part of one sequence's state, the forward on the state pool)
 LAYERS = {"Lfm2ShortConv": (_short_conv_parts, _short_conv_forward),
           "Mamba2Mixer": (_mamba2_parts, _mamba2_forward),
           "GraniteMoeHybridMambaLayer": (_mamba2_parts, _mamba2_forward),
           "BambaMixer": (_mamba2_parts, _mamba2_forward),
-          "FalconH1Mixer": (_mamba2_parts, _mamba2_forward)}
+          "FalconH1Mixer": (_mamba2_parts, _mamba2_forward),
+          "Qwen3NextGatedDeltaNet": (_delta_net_parts, _delta_net_forward)}
 
 
 def _dispatch(module, own, paged, *args, **kwargs):
