@@ -38,7 +38,8 @@ STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
 # model type -> its state layer kinds that data_plane/state_layers.py serves on the state pool
 # (transformers names every SSM layer kind "linear_attention", Mamba2 mixers included)
 SERVED_STATE_LAYERS = {"lfm2": {"conv"}, "mamba2": {"linear_attention"}, "granitemoehybrid": {"linear_attention"},
-                       "bamba": {"linear_attention"}, "falcon_h1": {"hybrid"}, "qwen3_next": {"linear_attention"}}
+                       "bamba": {"linear_attention"}, "falcon_h1": {"hybrid"}, "qwen3_next": {"linear_attention"},
+                       "mamba": {"linear_attention"}, "jamba": {"linear_attention"}}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}

@@ -20,6 +20,10 @@ Served:
   (`mamba2_selective_state_update`), as transformers' prefill and decode do. A prompt prefilled in
   chunks is scanned from the state at each chunk's start: the same sums as one scan over the whole
   prompt, regrouped at the chunk boundaries (equal up to float rounding).
+- The Mamba mixer (`MambaMixer`; Jamba's adds norms): the same convolution and a float32 SSM state
+  [inner size, state size]. A prompt's first run goes through the model's own scan from zeros; its scan
+  takes no initial state, so a later run of several tokens (a chunk of a chunked prefill) goes token by
+  token through the model's own recurrent update, the one transformers decodes with.
 - Qwen3-Next's gated delta-net (`Qwen3NextGatedDeltaNet`): the same convolution (then SiLU) and a float32
   recurrent state [value heads, key head size, value head size], through the model's own chunked rule
   for a run of tokens and its recurrent rule for one, as transformers' prefill and decode do.
@@ -138,6 +142,57 @@ def _mamba2_token(ops, module, ssm_states, slots, x, dt, a, b, c, z=None):
     return out.view(n, -1)
 
 
+# --- Mamba (1) ----------------------------------------------------------------------------------------------
+def _mamba_parts(module):
+    return _conv_part(module.conv1d), ((module.intermediate_size, module.ssm_state_size), torch.float32)
+
+
+def _mamba_forward(module, step, hidden_states):
+    """transformers' Mamba mixer (Jamba's adds norms of dt, B and C) over a step's flattened rows."""
+    ops = sys.modules[type(module).__module__]
+    conv_states, ssm_states = step.pool.layer(module.layer_idx)
+    xs, gate = module.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)     # [1, inner, tokens] each
+    xs = _conv_run(xs[0], module.conv1d, conv_states, step, module.act)[None]
+    a = -torch.exp(module.A_log.float())
+    size = module.ssm_state_size
+    dt, b, c = torch.split(module.x_proj(xs.transpose(1, 2)), [module.time_step_rank, size, size], dim=-1)
+    if hasattr(module, "dt_layernorm"):
+        dt, b, c = module.dt_layernorm(dt), module.b_layernorm(b), module.c_layernorm(c)
+    if hasattr(module.config, "_is_quantized"):
+        dt = (module.dt_proj(dt) - module.dt_proj.bias).transpose(1, 2)
+    else:
+        dt = module.dt_proj.weight @ dt.transpose(1, 2)                           # [1, inner, tokens]
+    bias = module.dt_proj.bias.float() if module.dt_proj.bias is not None else None
+
+    def token(slots, t):   # one token of each sequence in `slots`, from column t on, as transformers decodes
+        n = slots.shape[0]
+        state = ssm_states.index_select(0, slots)
+        out = ops.mamba_selective_state_update(state, xs[0, :, t:t + n].t(), dt[0, :, t:t + n].t(), a, b[0, t:t + n],
+                                               c[0, t:t + n], module.D, z=gate[0, :, t:t + n].t(), dt_bias=bias,
+                                               dt_softplus=True)
+        ssm_states.index_copy_(0, slots, state)
+        return out.t()                                                            # [inner, n]
+
+    if step.decode_only:
+        out = token(step.slots, 0)
+    else:
+        out = torch.empty_like(xs[0])
+        for start, end, slot, fresh in step.seqs:
+            if fresh:   # a prompt's first run: the model's own scan from zeros, as transformers prefills
+                scanned, final = ops.mamba_selective_scan(
+                    xs[:, :, start:end], dt[:, :, start:end], a, b[:, start:end].transpose(1, 2),
+                    c[:, start:end].transpose(1, 2), D=module.D.float(), z=gate[:, :, start:end], delta_bias=bias,
+                    delta_softplus=True, return_last_state=True, use_mambapy=module.use_mambapy,
+                    use_associative_scan=module.use_associative_scan)
+                ssm_states[slot] = final[0]
+                out[:, start:end] = scanned[0]
+            else:       # its scan takes no initial state: the same recurrence, token by token from the slot's
+                slots = torch.tensor([slot], device=xs.device)
+                for t in range(start, end):
+                    out[:, t:t + 1] = token(slots, t)
+    return module.out_proj(out.t()[None].to(hidden_states.dtype))
+
+
 # --- gated delta-net (Qwen3-Next's linear attention) --------------------------------------------------------
 def _delta_net_parts(module):
     recurrent = (module.num_v_heads, module.head_k_dim, module.head_v_dim), torch.float32
@@ -186,7 +241,9 @@ LAYERS = {"Lfm2ShortConv": (_short_conv_parts, _short_conv_forward),
           "GraniteMoeHybridMambaLayer": (_mamba2_parts, _mamba2_forward),
           "BambaMixer": (_mamba2_parts, _mamba2_forward),
           "FalconH1Mixer": (_mamba2_parts, _mamba2_forward),
-          "Qwen3NextGatedDeltaNet": (_delta_net_parts, _delta_net_forward)}
+          "Qwen3NextGatedDeltaNet": (_delta_net_parts, _delta_net_forward),
+          "MambaMixer": (_mamba_parts, _mamba_forward),
+          "JambaMambaMixer": (_mamba_parts, _mamba_forward)}
 
 
 def _dispatch(module, own, paged, *args, **kwargs):

@@ -95,6 +95,11 @@ def _deepseek(version: str, q_lora_rank: int | None = None):
     return build
 
 
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+    return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
+
+
 def _state_model(kind: str, **extra):
     """A hybrid or state-space model: layers that keep a per-sequence state (served on the state pool, or
     refused until its layers are)."""
@@ -170,6 +175,10 @@ SUPPORTED = {
         moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention"]),
+    "Mamba (SSM on the state pool)": _mamba,
+    "Jamba (Mamba with norms and attention, MoE)": _state_model(
+        "Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8),
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
@@ -198,16 +207,9 @@ def _gpt_neo():
                         window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
 
 
-def _mamba():
-    from transformers import MambaConfig, MambaForCausalLM
-    return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
-
-
 STATE_MODELS = {
-    "JambaForCausalLM": _state_model("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2,
-                                     num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
-                                     expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
-                                     use_mamba_kernels=False),
+    # its mixer class is Mamba's with other norms, which the state pool does not compute yet
+    "FalconMambaForCausalLM": _state_model("FalconMamba", state_size=4),
 }
 
 
@@ -215,6 +217,5 @@ STATE_MODELS = {
 REFUSED = {
     "FalconForCausalLM": (_falcon(alibi=True), "adds the bias twice"),
     "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
-    "MambaForCausalLM": (_mamba, "per-sequence state"),
     **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},
 }
