@@ -73,6 +73,9 @@ class BlockManager:
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_tables: dict[int, list[Block]] = {}   # swapped-out sequences
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        # a swapped sequence's state waits in a CPU slot (as many as device slots, with a CPU pool)
+        self.cpu_state_slots = StateSlots(num_state_slots) if num_state_slots and num_cpu_blocks else None
+        self._state_swaps: tuple[list, list] = ([], [])   # (out, in) slot pairs not yet in a plan
         self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
         # a None entry: a block that left the sliding window and went back to the pool
         self.tables: dict[int, list[Block | None]] = {}
@@ -186,6 +189,8 @@ class BlockManager:
                 self.pool.free(block)
         if self.state_slots is not None:
             self.state_slots.give_back(seq_id)
+        if self.cpu_state_slots is not None:
+            self.cpu_state_slots.give_back(seq_id)
         for block in reversed(self.cpu_tables.pop(seq_id, [])):
             if block is not None:
                 self.cpu_pool.free(block)
@@ -223,8 +228,9 @@ class BlockManager:
         return self._unique_blocks([tables.get(s, []) for s in seq_ids])
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
-        # a state slot has no swap space (the data plane reports no CPU pool then): recompute instead
-        return self.cpu_pool is not None and self.state_slots is None and self.num_blocks_of(seq_ids) <= self.cpu_pool.num_free
+        if self.cpu_pool is None or self.state_slots is not None and self.cpu_state_slots.num_free < len(seq_ids):
+            return False   # (each swapped sequence's state takes a CPU slot)
+        return self.num_blocks_of(seq_ids) <= self.cpu_pool.num_free
 
     def _move(self, seq_ids, src_tables, dst_tables, src_pool, dst_pool) -> list[tuple[int, int]]:
         """Moves the tables of a group of sequences to the other pool, keeping their sharing: a block
@@ -254,13 +260,23 @@ class BlockManager:
         assert self.can_swap_out(seq_ids), "not enough free CPU blocks"
         for seq_id in seq_ids:
             self._hashed.pop(seq_id, None)   # hashing resumes from scratch after the swap-in
+            if self.state_slots is not None:
+                self._state_swaps[0].append(self.state_slots.move_out(seq_id, self.cpu_state_slots))
         return self._move(seq_ids, self.tables, self.cpu_tables, self.pool, self.cpu_pool)
 
     def swap_in(self, seq_ids: list[int], reserve: int = 0) -> list[tuple[int, int]] | None:
         """(CPU block, device block) pairs, or None when the device lacks room (plus `reserve`)."""
-        if self.num_blocks_of(seq_ids, on_cpu=True) + reserve > self.pool.num_free:
+        if self.num_blocks_of(seq_ids, on_cpu=True) + reserve > self.pool.num_free or \
+                len(seq_ids) > self.num_free_slots():
             return None
+        if self.state_slots is not None:
+            self._state_swaps[1].extend(self.cpu_state_slots.move_out(s, self.state_slots) for s in seq_ids)
         return self._move(seq_ids, self.cpu_tables, self.tables, self.cpu_pool, self.pool)
+
+    def take_state_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The state slots swapped out and in since the last plan, for the next one."""
+        swaps, self._state_swaps = self._state_swaps, ([], [])
+        return swaps
 
     # --- prefix cache -------------------------------------------------------------------
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
@@ -329,3 +345,5 @@ class BlockManager:
         assert not set(self.tables) & set(self.cpu_tables), "a sequence holds device and CPU blocks at once"
         if self.state_slots is not None:
             self.state_slots.check_integrity(set(self.tables))
+        if self.cpu_state_slots is not None:
+            self.cpu_state_slots.check_integrity(set(self.cpu_tables))

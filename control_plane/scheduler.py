@@ -287,8 +287,9 @@ class Scheduler:
         """What the data plane needs of each scheduled sequence, read before _update_after_schedule
         moves the counters."""
         plan = step.plan
-        if self.bm.state_slots is not None:   # forks since the last plan: their states, before the forward
+        if self.bm.state_slots is not None:   # forks since the last plan, swaps in this one: their states
             plan.state_copies = self.bm.state_slots.take_copies()
+            plan.state_swap_out, plan.state_swap_in = self.bm.take_state_swaps()
         for s in step.scheduled:
             seq = s.seq
             plan.copies.extend((src, dst) for _, src, dst in s.growth.copies)
@@ -359,19 +360,26 @@ class Scheduler:
             group = self.swapped[0]
             if any(s.num_pending_tokens for s in group):
                 break       # swapped out while a step sampled for it: sent in full once the token is known
-            num_new = sum(s.num_tokens - s.num_computed_tokens for s in group)
-            if len(self.running) + len(group) > self.max_num_seqs or num_new > budget:
+            # each sequence's share of the budget: a sequence swapped out in the middle of its prompt goes on
+            # in chunks, like any prefill
+            shares, left = [], budget
+            for s in group:
+                shares.append(min(s.num_tokens - s.num_computed_tokens, left))
+                left -= shares[-1]
+            wanted = sum(s.num_tokens - s.num_computed_tokens for s in group)
+            if len(self.running) + len(group) > self.max_num_seqs or (wanted and not sum(shares)):
                 break
-            # room for the blocks, and for one more block (or copy) per sequence this step
-            pairs = self.bm.swap_in([s.seq_id for s in group], reserve=self.watermark_blocks + len(group))
+            # room for the blocks, and for the blocks (or copy) each sequence's share needs this step
+            growth_blocks = sum(max(0, self.bm.blocks_needed(s.num_computed_tokens + n) -
+                                    len(self.bm.cpu_tables[s.seq_id])) + 1 for s, n in zip(group, shares))
+            pairs = self.bm.swap_in([s.seq_id for s in group], reserve=self.watermark_blocks + growth_blocks)
             if pairs is None:
                 break
             self.swapped.popleft()
             step.plan.swap_in.extend(pairs)
-            for seq in group:
+            for seq, n in zip(group, shares):
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-                n = seq.num_tokens - seq.num_computed_tokens
                 if n:
                     growth = self._grow(seq, n)
                     assert growth is not None, "swap-in reserved room for growth"

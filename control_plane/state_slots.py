@@ -56,6 +56,13 @@ class StateSlots:
         self._copies.append((self.held[parent_id], child))
         return True
 
+    def move_out(self, seq_id: int, cpu: "StateSlots") -> tuple[int, int]:
+        """The sequence's slot moves to `cpu` (a swap-out): (device slot, CPU slot). A fork's copy into it
+        that is still to be sent stays: the data plane runs the copies before the swaps."""
+        slot = self.held.pop(seq_id)
+        self._free.append(slot)
+        return slot, cpu.take(seq_id)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies ordered since the last plan, for the next one (run before its forward)."""
         copies, self._copies = self._copies, []

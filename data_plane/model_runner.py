@@ -101,9 +101,9 @@ class ModelRunner:
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
                  routes["codes"], routes["kernel"], routes["packed"])
         if self.states is not None:
-            log.info("state pool: %d slots of %.1f KiB (layers %s); no swap space (preemption recomputes) "
-                     "and no prefix caching for a model with state layers", self.states.num_slots,
-                     self.states.slot_bytes / 1024, sorted(self.states.states))
+            log.info("state pool: %d slots of %.1f KiB (layers %s)%s; no prefix caching for a model with state "
+                     "layers", self.states.num_slots, self.states.slot_bytes / 1024, sorted(self.states.states),
+                     ", as many in CPU memory for swapping" if self.states.cpu_states is not None else "")
 
     def _load(self, model, config: DataPlaneConfig) -> dict | None:
         """The model in the serving type, its shapes, and whether it can be served exactly (refused
@@ -152,13 +152,11 @@ class ModelRunner:
                                                     config.kv_cache_gib, reserve)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
-        # layers with a per-sequence state: a slot each per sequence, and no swap space (a state slot is
-        # not swapped: a preempted sequence is recomputed)
-        self.states = StatePool(self._state_shapes, DEFAULT_NUM_SLOTS, self.dtype, device) \
-            if self._state_shapes else None
-        swap_blocks = 0 if self.states is not None else \
-            SwapPool.blocks_for_budget(block_bytes, config.swap_blocks, config.swap_space_gib)
-        self.swap = SwapPool(self.pool, swap_blocks)
+        self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
+                                                                   config.swap_space_gib))
+        # layers with a per-sequence state: a slot each per sequence, and as many in CPU memory with swap space
+        self.states = StatePool(self._state_shapes, DEFAULT_NUM_SLOTS, self.dtype, device,
+                                swap=self.swap.num_blocks > 0) if self._state_shapes else None
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
@@ -258,11 +256,14 @@ class ModelRunner:
             self.swap.check(plan.swap_out, plan.swap_in)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
-        if plan.state_copies:
+        state_orders = plan.state_copies + plan.state_swap_out + plan.state_swap_in
+        if state_orders:
             if self.states is None:
-                raise PlanError("the plan copies state slots; the model has no state layers")
-            try:
-                self.states.check([slot for pair in plan.state_copies for slot in pair])
+                raise PlanError("the plan copies or swaps state slots; the model has no state layers")
+            if self.states.cpu_states is None and (plan.state_swap_out or plan.state_swap_in):
+                raise PlanError("the plan swaps state slots; this data plane has no swap space")
+            try:   # device and CPU slots are numbered alike
+                self.states.check([slot for pair in state_orders for slot in pair])
             except ValueError as exc:
                 raise PlanError(str(exc)) from None
         scheduled = self._apply_plan(plan)
@@ -273,8 +274,10 @@ class ModelRunner:
             src, dst = zip(*plan.copies)
             self._check_blocks(src + dst)
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst))
-        if plan.state_copies:   # forks' children start from their parents' states
+        if state_orders:   # forks' children start from their parents' states; then the swapped ones move
             self.states.copy(plan.state_copies)
+            self.states.swap(plan.state_swap_out, out=True)
+            self.states.swap(plan.state_swap_in, out=False)
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
         sampled, num_tokens, prompt_scores = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0, [])

@@ -26,15 +26,20 @@ DEFAULT_NUM_SLOTS = 256
 
 class StatePool:
     def __init__(self, parts: dict[int, tuple[tuple[tuple[int, ...], torch.dtype | None], ...]], num_slots: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, swap: bool = False):
         """`parts`: layer index -> (shape, dtype) of each part of one sequence's state in that layer (dtype
-        None: the model's `dtype`)."""
+        None: the model's `dtype`); `swap`: as many slots again in CPU memory, for swapped sequences."""
         if num_slots < 1:
             raise ValueError(f"a state pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self.states = {layer: tuple(torch.zeros(num_slots, *shape, dtype=part_dtype or dtype, device=device)
-                                    for shape, part_dtype in layer_parts)
-                       for layer, layer_parts in parts.items()}
+
+        def allocate(on):
+            return {layer: tuple(torch.zeros(num_slots, *shape, dtype=part_dtype or dtype, device=on,
+                                             pin_memory=on == "cpu" and device.type == "cuda")
+                                 for shape, part_dtype in layer_parts)
+                    for layer, layer_parts in parts.items()}
+        self.states = allocate(device)
+        self.cpu_states = allocate("cpu") if swap else None
 
     @property
     def slot_bytes(self) -> int:
@@ -48,6 +53,19 @@ class StatePool:
         for slot in slots:
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"state slot {slot} out of range [0, {self.num_slots})")
+
+    def swap(self, pairs: list[tuple[int, int]], out: bool) -> None:
+        """(device slot, CPU slot) pairs when `out`, else (CPU slot, device slot): every layer's parts."""
+        if not pairs:
+            return
+        if self.cpu_states is None:
+            raise ValueError("the plan swaps state slots; this data plane has no swap space")
+        src_ids, dst_ids = (torch.tensor(ids) for ids in zip(*pairs))
+        src, dst = (self.states, self.cpu_states) if out else (self.cpu_states, self.states)
+        for layer, parts in src.items():
+            for part, target in zip(parts, dst[layer]):
+                moved = part.index_select(0, src_ids.to(part.device)).to(target.device)
+                target.index_copy_(0, dst_ids.to(target.device), moved)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src slot, dst slot): a fork's child starts from its parent's state; in order."""

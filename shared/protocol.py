@@ -284,17 +284,22 @@ class StepPlan:
     # (src slot, dst slot) of the state pool: a fork's child starts from its parent's state, copied
     # before the forward. Optional at the end: absent without forks of a model with state layers
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # state slots moved with a swapped sequence's blocks: (device slot, CPU slot) out, (CPU slot, device
+    # slot) in; run after the state copies, out before in. Optional at the end, like the copies
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def to_wire(self) -> list:
         return _trim([self.step_id, [s.to_wire() for s in self.new_seqs], [s.to_wire() for s in self.cached_seqs],
                       self.forget_seq_ids, self.swap_out, self.swap_in, self.copies,
-                      [[i, m] for i, m in self.token_masks], self.state_copies], 2)
+                      [[i, m] for i, m in self.token_masks], self.state_copies, self.state_swap_out,
+                      self.state_swap_in], 4)
 
     @classmethod
     def from_wire(cls, body: list) -> "StepPlan":
         b = _list(body)
-        if len(b) not in (7, 8, 9):
-            raise ProtocolError(f"a step plan has 7 to 9 fields, got {len(b)}")
+        if not 7 <= len(b) <= 11:
+            raise ProtocolError(f"a step plan has 7 to 11 fields, got {len(b)}")
         step_id, new, cached, forget, swap_out, swap_in, copies = b[:7]
         masks = []
         for item in (_list(b[7]) if len(b) >= 8 else []):
@@ -305,7 +310,7 @@ class StepPlan:
         return cls(_int(step_id), [NewSequence.from_wire(s) for s in _list(new)],
                    [CachedSequence.from_wire(s) for s in _list(cached)], _ints(forget), _int_tuples(swap_out, 2),
                    _int_tuples(swap_in, 2), _int_tuples(copies, 2), masks,
-                   _int_tuples(b[8], 2) if len(b) == 9 else [])
+                   *(_int_tuples(b[i], 2) if len(b) > i else [] for i in (8, 9, 10)))
 
 
 def draw_seed(seed: int | None, draw: int) -> int | None:

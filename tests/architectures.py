@@ -182,7 +182,10 @@ SUPPORTED = {
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
-           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE"}
+           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE",
+           # state slots swap with their blocks
+           "Granite-MoE-Hybrid (Mamba2 and attention, MoE)", "Qwen3-Next (gated delta-net on the state pool, gated attention, MoE)",
+           "Mamba (SSM on the state pool)"}
 
 
 def build(builder, attn: str, seed: int = 0):

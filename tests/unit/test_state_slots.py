@@ -34,17 +34,30 @@ def test_slots_are_taken_given_back_and_forks_order_a_copy():
 
 
 def test_the_block_manager_holds_a_slot_per_table_and_no_prefix_cache():
-    bm = BlockManager(16, 4, enable_prefix_caching=True, num_cpu_blocks=8, num_state_slots=1)
+    bm = BlockManager(16, 4, enable_prefix_caching=True, num_state_slots=1)
     assert not bm.enable_prefix_caching          # a cached block holds KV, not the state after it
     assert bm.grow(1, 6) is not None and bm.state_slot(1) == 0
     free = bm.num_free_blocks()
     assert bm.grow(2, 4) is None                 # blocks are free, the one slot is not
     assert bm.num_free_blocks() == free and 2 not in bm.tables
-    assert not bm.can_swap_out([1])              # slots have no swap space: preemption recomputes
     bm.free(1)
     assert bm.num_free_slots() == 1 and bm.grow(2, 4) is not None and bm.state_slot(2) == 0
     bm.check_integrity()
     assert BlockManager(16, 4).state_slot(3) == P.NO_STATE_SLOT
+
+
+def test_a_swapped_sequence_takes_its_state_to_a_cpu_slot_and_back():
+    bm = BlockManager(16, 4, num_cpu_blocks=8, num_state_slots=2)
+    for seq_id in (1, 2):
+        bm.grow(seq_id, 6)
+    assert bm.can_swap_out([2]) and bm.swap_out([2])
+    assert bm.take_state_swaps() == ([(1, 0)], []) and bm.take_state_swaps() == ([], [])
+    bm.grow(3, 4)                                    # the freed device slot serves another sequence
+    assert bm.state_slot(3) == 1 and bm.swap_in([2]) is None    # no device slot for it now
+    bm.free(1)
+    assert bm.swap_in([2]) is not None and bm.take_state_swaps() == ([], [(0, 0)])
+    bm.check_integrity()
+    assert not BlockManager(16, 4, num_state_slots=2).can_swap_out([1])   # no CPU pool: recompute
 
 
 def test_admission_waits_for_a_free_slot_and_plans_carry_the_slots():
@@ -98,6 +111,8 @@ def test_state_fields_on_the_wire():
     new = P.NewSequence(4, [1, 2], 2, 0, 2, [0], spec, state_slot=3)
     plan = P.StepPlan(9, [new], state_copies=[(3, 5)])
     assert P.decode(P.encode(P.STEP_PLAN, plan)) == (P.STEP_PLAN, plan)
+    swapped = P.StepPlan(10, state_swap_in=[(1, 2)])
+    assert P.decode(P.encode(P.STEP_PLAN, swapped)) == (P.STEP_PLAN, swapped)
     plain = P.NewSequence(4, [1, 2], 2, 0, 2, [0], spec)
     assert len(plain.to_wire()) == 7 and len(P.StepPlan(9, [plain]).to_wire()) == 7   # nothing added unused
     with pytest.raises(P.ProtocolError, match="state slot"):
