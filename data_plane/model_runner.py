@@ -133,6 +133,10 @@ class ModelRunner:
         # > 0: the control plane frees blocks outside this window; their table entries come as -1
         self.sliding_window = support.freeable_window
         self._state_shapes = support.state_shapes
+        if support.state_shapes and config.tensor_parallel_size > 1:
+            raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: a model with state layers "
+                              "(layers " + ", ".join(map(str, sorted(support.state_shapes))) + ") is served on one "
+                              "rank only; its state layers are not split across ranks")
         self.model_id = config.model
         return wide_codes
 
@@ -142,18 +146,25 @@ class ModelRunner:
         mc, device = self.model.config, self.device
         block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
-        # not with tensor parallelism: its all_reduce between ranks is not captured
-        capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1
+        # not with tensor parallelism (its all_reduce between ranks is not captured), nor with state layers
+        # (their per-sequence forward is not either)
+        capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1 \
+            and not self._state_shapes
         graph_buckets = decode_graphs.buckets_up_to(decode_graphs.MAX_BATCH)
         reserve = decode_graphs.reserve_bytes(
             graph_buckets[-1], mc.hidden_size, getattr(mc, "intermediate_size", 4 * mc.hidden_size),
             mc.num_attention_heads * self.head_dim, DTYPE_BYTES[config.dtype]) if capture else 0
         self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
                                                     config.kv_cache_gib, reserve)
+        swap_blocks = SwapPool.blocks_for_budget(block_bytes, config.swap_blocks, config.swap_space_gib)
+        if self._state_shapes and not model_support.attention_layers(mc):
+            # no layer reads the pool (Mamba): its blocks of one value only count tokens, and a budget in bytes
+            # would make millions; enough for every state slot's sequence at full length
+            cap = DEFAULT_NUM_SLOTS * -(-self.max_model_len // self.block_size)
+            self.num_blocks, swap_blocks = min(self.num_blocks, cap), min(swap_blocks, cap)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
-        self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
-                                                                   config.swap_space_gib))
+        self.swap = SwapPool(self.pool, swap_blocks)
         # layers with a per-sequence state: a slot each per sequence, and as many in CPU memory with swap space
         self.states = StatePool(self._state_shapes, DEFAULT_NUM_SLOTS, self.dtype, device,
                                 swap=self.swap.num_blocks > 0) if self._state_shapes else None

@@ -1,8 +1,9 @@
-"""A hybrid model (LFM2: short convolutions on the state pool, attention on the KV pool) under the real
-engine and the real runner in-process: parallel samples fork with a copy of their parent's state and
-draw exactly what they draw when recomputed from scratch; the KV-usage metrics, /debug/kv and the
-block manager agree on the blocks and state slots in use after every step (token identity with
-transformers, chunked prefill and preemption: tests/integration/test_architectures.py)."""
+"""Models with state layers (LFM2: short convolutions on the state pool, attention on the KV pool; Mamba:
+SSM layers only) under the real engine and the real runner in-process: parallel samples fork with a
+copy of their parent's state and draw exactly what they draw when recomputed from scratch; the
+KV-usage metrics, /debug/kv and the block manager agree on the blocks and state slots in use after
+every step (token identity with transformers, chunked prefill and preemption:
+tests/integration/test_architectures.py)."""
 import asyncio
 import dataclasses
 
@@ -16,14 +17,15 @@ from control_plane.sampling_params import ValidationError
 from tests.architectures import SUPPORTED, build
 from tests.helpers import DigitTokenizer, LocalClient, assert_pool_clean, make_runner, run_all
 
-LFM2 = "LFM2 (short convolutions on the state pool, attention)"
+# a state of one part (LFM2's convolution window) and of two (Mamba's window and SSM state)
+MODELS = ["LFM2 (short convolutions on the state pool, attention)", "Mamba (SSM on the state pool)"]
 
 
-@pytest.fixture(scope="module")
-def runner():
-    model = build(SUPPORTED[LFM2], "eager")
+@pytest.fixture(scope="module", params=MODELS)
+def runner(request):
+    model = build(SUPPORTED[request.param], "eager")
     model.set_attn_implementation(attention.register())
-    return make_runner(model, num_blocks=24, block_size=4)
+    return make_runner(model, num_blocks=24, block_size=4, swap_blocks=24)
 
 
 def engine_over(runner, num_state_slots: int | None = None, budget: int = 16):
@@ -89,3 +91,11 @@ def test_kv_metrics_count_the_blocks_and_state_slots_in_use(runner):
     seen = asyncio.run(run())
     assert 3 in seen and engine.kv_report()["state_slots_used"] == 0
     assert_pool_clean(engine)
+
+
+def test_state_layers_are_not_split_across_ranks(runner):
+    from data_plane.model_runner import ModelRunner
+    from shared.config import ConfigError, DataPlaneConfig
+    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=4, kv_cache_blocks=8, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="state layers"):
+        ModelRunner(runner.model, config, runner.device)
