@@ -1,4 +1,5 @@
-"""Maps sequences to blocks: block tables, growth, sharing (fork, copy-on-write), prefix cache.
+"""Maps sequences to blocks: block tables, growth, sharing (fork, copy-on-write), prefix cache,
+and, for a model with state layers, each sequence's slot of the state pool (control_plane/state_slots.py).
 
 The scheduler asks it questions ("can this sequence grow to N tokens?") and gets answers:
 new block ids, or None when there is no room now.
@@ -28,6 +29,11 @@ copied or shared (a fork copies it as a placeholder). A freed block keeps its pr
 until the pool hands it out again, like any free block, so it can still serve a later prefix. A
 prefix hit of k blocks needs only the blocks that a query at position k * block size reads: the
 blocks before them may be gone, and the new table gets placeholders for them (match_prefix).
+
+State slots: with `num_state_slots` (a model whose layers keep a per-sequence state), a sequence takes
+a slot when it gets its table (grow fails, changing nothing, when none is free) and gives it back in
+free(); a fork takes one for the child. Prefix caching is off for such a model: a cached block holds
+KV, not the state after it, so a prefix hit could not skip the state layers' work.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from control_plane.block_pool import Block, BlockPool
-from shared.protocol import FREED_BLOCK_ID
+from control_plane.state_slots import StateSlots
+from shared.protocol import FREED_BLOCK_ID, NO_STATE_SLOT
 
 
 def chain_block_hashes(token_ids: list[int], block_size: int, num_blocks: int, start: int = 0,
@@ -57,7 +64,7 @@ class Growth:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0,
-                 sliding_window: int = 0):
+                 sliding_window: int = 0, num_state_slots: int = 0):
         assert sliding_window >= 0, f"sliding_window must be >= 0 (0: some layer sees everything), got {sliding_window}"
         self.block_size = block_size
         # every layer sees at most this many positions, its own included (0: some layer sees all)
@@ -65,7 +72,11 @@ class BlockManager:
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_tables: dict[int, list[Block]] = {}   # swapped-out sequences
-        self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        # a swapped sequence's state waits in a CPU slot (as many as device slots, with a CPU pool)
+        self.cpu_state_slots = StateSlots(num_state_slots) if num_state_slots and num_cpu_blocks else None
+        self._state_swaps: tuple[list, list] = ([], [])   # (out, in) slot pairs not yet in a plan
+        self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
         # a None entry: a block that left the sliding window and went back to the pool
         self.tables: dict[int, list[Block | None]] = {}
         # per sequence: (leading blocks already hashed, hash of the last of them)
@@ -117,11 +128,25 @@ class BlockManager:
         missing = max(0, self.blocks_needed(num_tokens) - len(table))
         return missing + (self._cow_index(table, write_from) is not None)
 
+    def slots_to_grow(self, seq_id: int) -> int:
+        """State slots that grow() would take (1 for a sequence without a table, with state layers)."""
+        return int(self.state_slots is not None and seq_id not in self.tables)
+
+    def num_free_slots(self) -> int:
+        """Free state slots; without state layers, more than could ever be asked for."""
+        return self.state_slots.num_free if self.state_slots is not None else 1 << 62
+
+    def state_slot(self, seq_id: int) -> int:
+        """The sequence's state slot, NO_STATE_SLOT without state layers."""
+        return self.state_slots.slot_of(seq_id) if self.state_slots is not None else NO_STATE_SLOT
+
     def grow(self, seq_id: int, num_tokens: int, write_from: int | None = None, reserve: int = 0) -> Growth | None:
         """Make the table hold `num_tokens` tokens, writing from position `write_from` on (a shared
         block written into is first copied). Returns what changed, or None, changing nothing, when
-        fewer than the blocks needed plus `reserve` are free."""
+        fewer than the blocks needed plus `reserve` are free, or a new table finds no free state slot."""
         if self.blocks_to_grow(seq_id, num_tokens, write_from) + reserve > self.pool.num_free:
+            return None
+        if self.slots_to_grow(seq_id) and self.state_slots.take(seq_id) is None:
             return None
         table = self.tables.setdefault(seq_id, [])
         growth = Growth()
@@ -139,10 +164,16 @@ class BlockManager:
             growth.new_block_ids.append(block.block_id)
         return growth
 
+    def can_fork(self) -> bool:
+        return self.state_slots is None or self.state_slots.num_free > 0
+
     def fork(self, parent_id: int, child_id: int) -> None:
-        """The child shares every block of the parent (copy-on-write when either writes)."""
+        """The child shares every block of the parent (copy-on-write when either writes); with state
+        layers it takes a slot, into which the parent's state is copied (the caller checked can_fork)."""
         assert child_id not in self.tables, f"sequence {child_id} already has blocks"
         table = self.tables[parent_id]
+        if self.state_slots is not None and not self.state_slots.fork(parent_id, child_id):
+            raise RuntimeError(f"no free state slot to fork sequence {parent_id}")
         for block in table:
             if block is not None:
                 self.pool.incref(block)
@@ -156,6 +187,10 @@ class BlockManager:
         for block in reversed(self.tables.pop(seq_id, [])):
             if block is not None:
                 self.pool.free(block)
+        if self.state_slots is not None:
+            self.state_slots.give_back(seq_id)
+        if self.cpu_state_slots is not None:
+            self.cpu_state_slots.give_back(seq_id)
         for block in reversed(self.cpu_tables.pop(seq_id, [])):
             if block is not None:
                 self.cpu_pool.free(block)
@@ -193,7 +228,9 @@ class BlockManager:
         return self._unique_blocks([tables.get(s, []) for s in seq_ids])
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
-        return self.cpu_pool is not None and self.num_blocks_of(seq_ids) <= self.cpu_pool.num_free
+        if self.cpu_pool is None or self.state_slots is not None and self.cpu_state_slots.num_free < len(seq_ids):
+            return False   # (each swapped sequence's state takes a CPU slot)
+        return self.num_blocks_of(seq_ids) <= self.cpu_pool.num_free
 
     def _move(self, seq_ids, src_tables, dst_tables, src_pool, dst_pool) -> list[tuple[int, int]]:
         """Moves the tables of a group of sequences to the other pool, keeping their sharing: a block
@@ -223,13 +260,23 @@ class BlockManager:
         assert self.can_swap_out(seq_ids), "not enough free CPU blocks"
         for seq_id in seq_ids:
             self._hashed.pop(seq_id, None)   # hashing resumes from scratch after the swap-in
+            if self.state_slots is not None:
+                self._state_swaps[0].append(self.state_slots.move_out(seq_id, self.cpu_state_slots))
         return self._move(seq_ids, self.tables, self.cpu_tables, self.pool, self.cpu_pool)
 
     def swap_in(self, seq_ids: list[int], reserve: int = 0) -> list[tuple[int, int]] | None:
         """(CPU block, device block) pairs, or None when the device lacks room (plus `reserve`)."""
-        if self.num_blocks_of(seq_ids, on_cpu=True) + reserve > self.pool.num_free:
+        if self.num_blocks_of(seq_ids, on_cpu=True) + reserve > self.pool.num_free or \
+                len(seq_ids) > self.num_free_slots():
             return None
+        if self.state_slots is not None:
+            self._state_swaps[1].extend(self.cpu_state_slots.move_out(s, self.state_slots) for s in seq_ids)
         return self._move(seq_ids, self.cpu_tables, self.tables, self.cpu_pool, self.pool)
+
+    def take_state_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The state slots swapped out and in since the last plan, for the next one."""
+        swaps, self._state_swaps = self._state_swaps, ([], [])
+        return swaps
 
     # --- prefix cache -------------------------------------------------------------------
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
@@ -296,3 +343,7 @@ class BlockManager:
             # placeholders form a prefix of the table's dead part: never a block a query still reads
             assert placeholders == list(range(len(placeholders))), f"placeholders not leading: {placeholders}"
         assert not set(self.tables) & set(self.cpu_tables), "a sequence holds device and CPU blocks at once"
+        if self.state_slots is not None:
+            self.state_slots.check_integrity(set(self.tables))
+        if self.cpu_state_slots is not None:
+            self.cpu_state_slots.check_integrity(set(self.cpu_tables))

@@ -83,8 +83,12 @@ class Engine:
         """An empty block manager for the data plane of the last handshake: its pools, and the window
         beyond which a sequence's blocks go back to the pool (0: some layer sees everything)."""
         hs, caching = self.hs, self.config.enable_prefix_caching
+        if hs.num_state_slots and caching:
+            log.warning("prefix caching is off: %s has layers that keep a per-sequence state (%d state slots), "
+                        "which a cached prefix of KV blocks does not restore", hs.model_id, hs.num_state_slots)
         return BlockManager(hs.num_device_blocks, hs.block_size, enable_prefix_caching=caching,
-                            num_cpu_blocks=hs.num_cpu_blocks, sliding_window=hs.sliding_window)
+                            num_cpu_blocks=hs.num_cpu_blocks, sliding_window=hs.sliding_window,
+                            num_state_slots=hs.num_state_slots)
 
     @property
     def owners(self) -> dict[int, Request]:
@@ -114,8 +118,10 @@ class Engine:
         except AssertionError as exc:
             integrity = f"violated: {exc}"
         cpu_total = bm.cpu_pool.num_blocks if bm.cpu_pool else 0
+        slots = bm.state_slots
         return {"device_blocks": bm.pool.num_blocks, "device_blocks_used": bm.pool.num_blocks - bm.num_free_blocks(),
                 "cpu_blocks": cpu_total, "cpu_blocks_used": cpu_total - (bm.cpu_pool.num_free if bm.cpu_pool else 0),
+                "state_slots": slots.num_slots if slots else 0, "state_slots_used": slots.num_used if slots else 0,
                 "running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
                 "preemptions": {"recompute": sched.num_preemptions, "swap": sched.num_swap_preemptions},
                 "integrity": integrity}
@@ -168,6 +174,12 @@ class Engine:
                                   "prompt", "invalid_token_id")
         check_for_model(params, self.hs.vocab_size, self.eos_token_ids)
         self.check_length(len(prompt_ids), params.max_tokens, params.best_of)
+        slots = self.hs.num_state_slots
+        if slots and params.best_of > slots:
+            # each sequence of a request holds a state slot, and a request preempted whole comes back whole
+            raise ValidationError(f"{params.best_of} sequences (n, best_of or the beam width) need as many state "
+                                  f"slots; this model keeps a per-sequence state and the server has {slots}",
+                                  "best_of")
         if params.constraint is not None:
             if self.config.async_scheduling:
                 # a step planned ahead would need the mask of a token not yet sampled

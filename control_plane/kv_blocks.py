@@ -15,6 +15,7 @@ One engine's answer (a Router's is {"replicas": [one such answer per replica]}):
               "prompt": [40, 40, 40, 9], "output": [5, 5, 4, 0],   token counts
               "table_len": [2, 2, 2, 0], "tables": "AAAAAAEAAAABAAAAAgAAAAEAAAAFAAAA"},   see below
      "stats": {"running", "waiting", "swapped", "kv_usage", "cpu_kv_usage", "generated_tokens",
+               "state_slots", "state_slots_used",     the state pool (0 and 0 without state layers)
                "preemptions": {"recompute", "swap"}}}
 
 Block state, one character per block: a held block's ref count ("1".."9", "a".."z" for 10..35, "+"
@@ -117,6 +118,7 @@ def snapshot(scheduler, num_generated: int, block_size: int) -> dict:
     load = scheduler.load()
     stats = {"running": load.running, "waiting": load.waiting, "swapped": load.swapped,
              "kv_usage": load.kv_usage, "cpu_kv_usage": load.cpu_kv_usage, "generated_tokens": num_generated,
+             "state_slots": load.state_slots, "state_slots_used": load.state_slots_used,
              "preemptions": {"recompute": scheduler.num_preemptions, "swap": scheduler.num_swap_preemptions}}
     return {"block_size": block_size, "time": time.time(),
             "device": _pool(bm.pool, entries[:split], owners[:split], with_window=windowed),

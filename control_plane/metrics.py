@@ -61,6 +61,9 @@ class EngineStats:
         self.kv_usage = gauge("pagedserve_kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
         self.cpu_kv_usage = gauge("pagedserve_cpu_kv_cache_usage_perc",
                                   "Fraction of CPU swap-pool KV blocks in use (0-1; 0 without a swap pool)")
+        self.state_slots = gauge("pagedserve_state_slots", "Slots of the state pool, one per running sequence "
+                                 "of a model with state layers (LFM2's convolutions); 0: no state layers")
+        self.state_slots_used = gauge("pagedserve_state_slots_used", "State-pool slots held by a sequence")
         # --- counters ---
         self.received = counter("pagedserve_requests_received_total",
                                 "Requests (sequences) accepted into the waiting queue")
@@ -163,6 +166,8 @@ class EngineStats:
         self.swapped.set(load.swapped)
         self.kv_usage.set(load.kv_usage)
         self.cpu_kv_usage.set(load.cpu_kv_usage)
+        self.state_slots.set(load.state_slots)
+        self.state_slots_used.set(load.state_slots_used)
 
     def on_token(self, seq, first: bool) -> None:
         now = time.monotonic()

@@ -124,7 +124,8 @@ class Router:
         """Every replica's /debug/kv summed; the integrity check names the first replica that fails."""
         reports = [e.kv_report() for e in self.engines]
         total = {key: sum(r[key] for r in reports) for key in ("device_blocks", "device_blocks_used", "cpu_blocks",
-                                                               "cpu_blocks_used", "running", "waiting", "swapped")}
+                                                               "cpu_blocks_used", "state_slots", "state_slots_used",
+                                                               "running", "waiting", "swapped")}
         total["preemptions"] = {kind: sum(r["preemptions"][kind] for r in reports) for kind in ("recompute", "swap")}
         bad = [f"replica {i}: {r['integrity'].removeprefix('violated: ')}" for i, r in enumerate(reports)
                if r["integrity"] != "ok"]

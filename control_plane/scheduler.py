@@ -88,6 +88,8 @@ class SchedulerLoad:
     num_window_freed: int = 0      # blocks given back so far because they left every layer's window
     num_preemptions: int = 0       # sequences dropped for recompute so far
     num_swap_preemptions: int = 0  # sequences swapped out so far
+    state_slots: int = 0           # slots of the state pool (a model with state layers; 0: none)
+    state_slots_used: int = 0      # of which held by a sequence
 
 
 @dataclass
@@ -100,7 +102,7 @@ class _Step:
 
 def is_empty(plan: StepPlan) -> bool:
     """Whether a plan does nothing the data plane must do now (it need not be sent)."""
-    return not (plan.new_seqs or plan.cached_seqs or plan.forget_seq_ids or plan.swap_out)
+    return not (plan.new_seqs or plan.cached_seqs or plan.forget_seq_ids or plan.swap_out or plan.state_copies)
 
 
 class Scheduler:
@@ -169,13 +171,15 @@ class Scheduler:
         for d in decisions:
             if isinstance(d, Finish):
                 self.finish(d.seq, d.reason)
-            elif d.parent.status is SeqStatus.RUNNING:
+            elif d.parent.status is SeqStatus.RUNNING and self.bm.can_fork():
                 self.bm.fork(d.parent.seq_id, d.child.seq_id)   # shares every block, copy-on-write
                 d.child.num_computed_tokens = d.parent.num_computed_tokens
                 d.child.status = SeqStatus.RUNNING
                 self.running.append(d.child)
             else:
-                self.add(d.child)          # the parent was preempted: the child is recomputed too
+                # the parent was preempted (or no state slot is free for the child's copy of its
+                # state): the child is recomputed
+                self.add(d.child)
 
     def _group_at(self, index: int) -> list[Sequence]:
         """The running sequences of one request (parallel samples, beams): contiguous once sorted."""
@@ -200,6 +204,13 @@ class Scheduler:
                 wanted += self.bm.blocks_to_grow(seq.seq_id, seq.num_computed_tokens + num_new,
                                                  write_from=seq.num_computed_tokens)
         return wanted
+
+    def _lacks_room(self, group: list[Sequence], budget: int) -> bool:
+        """Whether the request cannot take its share of this step: blocks, and state slots for its
+        sequences that have no table yet (a model with state layers)."""
+        if self._blocks_wanted(group, budget) > self.bm.num_free_blocks():
+            return True
+        return sum(self.bm.slots_to_grow(s.seq_id) for s in group) > self.bm.num_free_slots()
 
     def _evict(self, group: list[Sequence], step: _Step) -> None:
         """A whole request gives its blocks back: swapped out, or dropped for recompute. Never only
@@ -248,7 +259,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             group = self._group_at(i)
             # room for the whole request first; the latest-arriving request gives way, whole
-            while self._blocks_wanted(group, budget) > self.bm.num_free_blocks():
+            while self._lacks_room(group, budget):
                 victim = self._last_group()
                 self._evict(victim, step)
                 if victim[0] is group[0]:
@@ -276,6 +287,9 @@ class Scheduler:
         """What the data plane needs of each scheduled sequence, read before _update_after_schedule
         moves the counters."""
         plan = step.plan
+        if self.bm.state_slots is not None:   # forks since the last plan, swaps in this one: their states
+            plan.state_copies = self.bm.state_slots.take_copies()
+            plan.state_swap_out, plan.state_swap_in = self.bm.take_state_swaps()
         for s in step.scheduled:
             seq = s.seq
             plan.copies.extend((src, dst) for _, src, dst in s.growth.copies)
@@ -283,7 +297,8 @@ class Scheduler:
                 # sent once in full: every known token (outputs too, after a recompute preemption)
                 plan.new_seqs.append(NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
                                                  seq.num_computed_tokens, s.num_new_tokens,
-                                                 self.bm.block_ids(seq.seq_id), seq.spec))
+                                                 self.bm.block_ids(seq.seq_id), seq.spec,
+                                                 self.bm.state_slot(seq.seq_id)))
             else:
                 # a beam's tokens are chosen here: send those the data plane does not have yet (any
                 # other sequence's new token was sampled, and appended, by the data plane itself)
@@ -345,19 +360,26 @@ class Scheduler:
             group = self.swapped[0]
             if any(s.num_pending_tokens for s in group):
                 break       # swapped out while a step sampled for it: sent in full once the token is known
-            num_new = sum(s.num_tokens - s.num_computed_tokens for s in group)
-            if len(self.running) + len(group) > self.max_num_seqs or num_new > budget:
+            # each sequence's share of the budget: a sequence swapped out in the middle of its prompt goes on
+            # in chunks, like any prefill
+            shares, left = [], budget
+            for s in group:
+                shares.append(min(s.num_tokens - s.num_computed_tokens, left))
+                left -= shares[-1]
+            wanted = sum(s.num_tokens - s.num_computed_tokens for s in group)
+            if len(self.running) + len(group) > self.max_num_seqs or (wanted and not sum(shares)):
                 break
-            # room for the blocks, and for one more block (or copy) per sequence this step
-            pairs = self.bm.swap_in([s.seq_id for s in group], reserve=self.watermark_blocks + len(group))
+            # room for the blocks, and for the blocks (or copy) each sequence's share needs this step
+            growth_blocks = sum(max(0, self.bm.blocks_needed(s.num_computed_tokens + n) -
+                                    len(self.bm.cpu_tables[s.seq_id])) + 1 for s, n in zip(group, shares))
+            pairs = self.bm.swap_in([s.seq_id for s in group], reserve=self.watermark_blocks + growth_blocks)
             if pairs is None:
                 break
             self.swapped.popleft()
             step.plan.swap_in.extend(pairs)
-            for seq in group:
+            for seq, n in zip(group, shares):
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-                n = seq.num_tokens - seq.num_computed_tokens
                 if n:
                     growth = self._grow(seq, n)
                     assert growth is not None, "swap-in reserved room for growth"
@@ -377,7 +399,8 @@ class Scheduler:
                 break       # (pending: preempted while a step sampled for it; sent in full once it is known)
             if len(group) > 1:
                 needed = sum(self.bm.blocks_needed(s.num_tokens) for s in group)
-                if needed + self.watermark_blocks > self.bm.num_free_blocks():
+                if needed + self.watermark_blocks > self.bm.num_free_blocks() or \
+                        len(group) > self.bm.num_free_slots():
                     break
             seq = head
             if seq.seq_id not in self.bm.tables and not seq.wants_prompt_logprobs:
@@ -415,9 +438,11 @@ class Scheduler:
 
     def load(self) -> SchedulerLoad:
         bm = self.bm
+        slots = bm.state_slots
         return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), bm.usage(), bm.cpu_usage(),
                              bm.num_cow_copies, bm.num_shared_blocks, bm.prefix_queries, bm.prefix_hits,
-                             bm.num_window_freed, self.num_preemptions, self.num_swap_preemptions)
+                             bm.num_window_freed, self.num_preemptions, self.num_swap_preemptions,
+                             slots.num_slots if slots else 0, slots.num_used if slots else 0)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity()

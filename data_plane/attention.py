@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ops.attention import Backend, KernelRows, paged_attention, write_kv
+
+if TYPE_CHECKING:
+    from data_plane.state_pool import StateStep
 
 ATTENTION_NAME = "pagedserve"
 
@@ -39,6 +43,8 @@ class StepContext:
     kernel_rows: KernelRows | None = None
     # the ops' implementation, chosen by the runner at start (None: each call chooses, outside a runner)
     backend: Backend | None = None
+    # the state layers' part of the step (data_plane/state_pool.py), for a model that has them
+    state: "StateStep | None" = None
     _positions: torch.Tensor | None = None
 
     @property
@@ -110,6 +116,11 @@ def layer_chunk(module) -> int | None:
         chunk = config.attention_chunk_size if chunked else None
         module.__dict__[_CHUNK_ATTR] = chunk
     return chunk
+
+
+def current() -> StepContext | None:
+    """The step under way, None outside one (data_plane/state_layers.py reads its state part)."""
+    return _current
 
 
 def active() -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from data_plane import attention, block_tables, decode_graphs, kv_pool, llama_forward, model_support, prompt_logprobs, sampler
+from data_plane.state_pool import DEFAULT_NUM_SLOTS, StatePool, StateStep
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
 from ops import linear as linear_ops
@@ -20,7 +21,7 @@ from ops import quantized
 from ops import warmup
 from ops.cache_ops import copy_blocks
 from shared.config import DTYPE_BYTES, MIN_TRITON_BLOCK_SIZE, ConfigError, DataPlaneConfig, kv_block_bytes, split_model_path
-from shared.protocol import FREED_BLOCK_ID, Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
+from shared.protocol import FREED_BLOCK_ID, NO_STATE_SLOT, Handshake, NewSequence, SampledToken, SamplingSpec, StepPlan, StepResult
 
 log = logging.getLogger("pagedserve.data_plane")
 
@@ -33,6 +34,7 @@ class SeqState:
     block_ids: list[int]
     sampling: SamplingSpec
     row: int = -1        # its row of the runner's BlockTables
+    slot: int = NO_STATE_SLOT   # its slot of the state pool (a model with state layers)
 
 
 class PlanError(ValueError):
@@ -81,13 +83,15 @@ class ModelRunner:
         self.seqs: dict[int, SeqState] = {}
         self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
         self._arange = torch.arange(64, dtype=torch.int64, device=device)
-        heads = self.model.config.num_attention_heads // config.tensor_parallel_size
+        heads = (getattr(self.model.config, "num_attention_heads", None) or self.num_kv_heads) \
+            // config.tensor_parallel_size
         compiled = warmup.warm_up(self.layer_caches, heads, self.backend)
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
         self.graphs = None
-        if config.decode_graphs == "eager" or capture:
+        # (not for state layers: their per-sequence forward is not captured)
+        if (config.decode_graphs == "eager" or capture) and self.states is None:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture, self.backend)
@@ -97,6 +101,10 @@ class ModelRunner:
                  self.backend.describe(),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
                  routes["codes"], routes["kernel"], routes["packed"])
+        if self.states is not None:
+            log.info("state pool: %d slots of %.1f KiB (layers %s)%s; no prefix caching for a model with state "
+                     "layers", self.states.num_slots, self.states.slot_bytes / 1024, sorted(self.states.states),
+                     ", as many in CPU memory for swapping" if self.states.cpu_states is not None else "")
 
     def _load(self, model, config: DataPlaneConfig) -> dict | None:
         """The model in the serving type, its shapes, and whether it can be served exactly (refused
@@ -116,8 +124,7 @@ class ModelRunner:
         mc = model.config
         self.num_layers = mc.num_hidden_layers
         # with tensor parallelism each rank's pool holds only its own KV heads (data_plane/tensor_parallel.py)
-        self.num_kv_heads = (getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads) \
-            // config.tensor_parallel_size
+        self.num_kv_heads = model_support.kv_heads(mc) // config.tensor_parallel_size
         self.head_dim = model_support.head_dim(mc)
         model_max = getattr(mc, "max_position_embeddings", None) or 2048
         self.max_model_len = min(model_max, config.max_model_len or model_max)
@@ -127,6 +134,11 @@ class ModelRunner:
         self.final_logits = support.final_logits
         # > 0: the control plane frees blocks outside this window; their table entries come as -1
         self.sliding_window = support.freeable_window
+        self._state_shapes = support.state_shapes
+        if support.state_shapes and config.tensor_parallel_size > 1:
+            raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: a model with state layers "
+                              "(layers " + ", ".join(map(str, sorted(support.state_shapes))) + ") is served on one "
+                              "rank only; its state layers are not split across ranks")
         self.model_id = config.model
         return wide_codes
 
@@ -136,18 +148,28 @@ class ModelRunner:
         mc, device = self.model.config, self.device
         block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
-        # not with tensor parallelism: its all_reduce between ranks is not captured
-        capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1
+        # not with tensor parallelism (its all_reduce between ranks is not captured), nor with state layers
+        # (their per-sequence forward is not either)
+        capture = config.decode_graphs == "auto" and device.type == "cuda" and config.tensor_parallel_size == 1 \
+            and not self._state_shapes
         graph_buckets = decode_graphs.buckets_up_to(decode_graphs.MAX_BATCH)
         reserve = decode_graphs.reserve_bytes(
             graph_buckets[-1], mc.hidden_size, getattr(mc, "intermediate_size", 4 * mc.hidden_size),
             mc.num_attention_heads * self.head_dim, DTYPE_BYTES[config.dtype]) if capture else 0
         self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
                                                     config.kv_cache_gib, reserve)
+        swap_blocks = SwapPool.blocks_for_budget(block_bytes, config.swap_blocks, config.swap_space_gib)
+        if self._state_shapes and not model_support.attention_layers(mc):
+            # no layer reads the pool (Mamba): its blocks of one value only count tokens, and a budget in bytes
+            # would make millions; enough for every state slot's sequence at full length
+            cap = DEFAULT_NUM_SLOTS * -(-self.max_model_len // self.block_size)
+            self.num_blocks, swap_blocks = min(self.num_blocks, cap), min(swap_blocks, cap)
         self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
-        self.swap = SwapPool(self.pool, SwapPool.blocks_for_budget(block_bytes, config.swap_blocks,
-                                                                   config.swap_space_gib))
+        self.swap = SwapPool(self.pool, swap_blocks)
+        # layers with a per-sequence state: a slot each per sequence, and as many in CPU memory with swap space
+        self.states = StatePool(self._state_shapes, DEFAULT_NUM_SLOTS, self.dtype, device,
+                                swap=self.swap.num_blocks > 0) if self._state_shapes else None
         self.block_bytes = block_bytes
         # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
         self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
@@ -177,7 +199,8 @@ class ModelRunner:
         return Handshake(self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                          str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
                          self.swap.num_blocks,
-                         self.max_model_len, device, eos_ids, sliding_window=self.sliding_window)
+                         self.max_model_len, device, eos_ids, sliding_window=self.sliding_window,
+                         num_state_slots=self.states.num_slots if self.states is not None else 0)
 
     # --- plan bookkeeping -------------------------------------------------------------
     def _check_blocks(self, block_ids, table: bool = False) -> None:
@@ -225,11 +248,19 @@ class ModelRunner:
     def _add(self, new: NewSequence) -> None:
         self._check_blocks(new.block_ids, table=True)
         self._check_tokens(new.seq_id, new.token_ids)
+        if self.states is not None:
+            if new.state_slot == NO_STATE_SLOT:
+                raise PlanError(f"sequence {new.seq_id} has no state slot; the model has state layers")
+            try:
+                self.states.check([new.state_slot])
+            except ValueError as exc:
+                raise PlanError(f"sequence {new.seq_id}: {exc}") from None
         old = self.seqs.get(new.seq_id)
         if old is not None:   # a sequence sent again whole (recomputed) takes a fresh row
             self.tables.release(old.row)
         self.seqs[new.seq_id] = SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                                         list(new.block_ids), new.sampling, self.tables.add(list(new.block_ids)))
+                                         list(new.block_ids), new.sampling, self.tables.add(list(new.block_ids)),
+                                         new.state_slot)
 
     # --- execution ----------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -238,6 +269,16 @@ class ModelRunner:
             self.swap.check(plan.swap_out, plan.swap_in)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
+        state_orders = plan.state_copies + plan.state_swap_out + plan.state_swap_in
+        if state_orders:
+            if self.states is None:
+                raise PlanError("the plan copies or swaps state slots; the model has no state layers")
+            if self.states.cpu_states is None and (plan.state_swap_out or plan.state_swap_in):
+                raise PlanError("the plan swaps state slots; this data plane has no swap space")
+            try:   # device and CPU slots are numbered alike
+                self.states.check([slot for pair in state_orders for slot in pair])
+            except ValueError as exc:
+                raise PlanError(str(exc)) from None
         scheduled = self._apply_plan(plan)
         # swap-out first: a block swapped out may be swapped into, or copied into, this same step
         self.swap.swap_out(plan.swap_out)
@@ -246,6 +287,10 @@ class ModelRunner:
             src, dst = zip(*plan.copies)
             self._check_blocks(src + dst)
             copy_blocks(self.layer_caches, torch.tensor(src), torch.tensor(dst), self.backend)
+        if state_orders:   # forks' children start from their parents' states; then the swapped ones move
+            self.states.copy(plan.state_copies)
+            self.states.swap(plan.state_swap_out, out=True)
+            self.states.swap(plan.state_swap_in, out=False)
         t1 = time.perf_counter()
         masks = dict(plan.token_masks)
         sampled, num_tokens, prompt_scores = self._forward_and_sample(scheduled, masks) if scheduled else ([], 0, [])
@@ -254,6 +299,7 @@ class ModelRunner:
 
     def _prepare(self, scheduled):
         input_ids, positions, slots, seq_lens, starts, rows, sample_rows = [], [], [], [], [0], [], []
+        state_seqs = []
         max_blocks = 1
         bs = self.block_size
         for seq_id, num_new in scheduled:
@@ -276,6 +322,8 @@ class ModelRunner:
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
             rows.append(st.row)
+            if self.states is not None:
+                state_seqs.append((starts[-2], starts[-1], st.slot, begin == 0))
             max_blocks = max(max_blocks, len(table))
             if end == len(st.token_ids):
                 sample_rows.append((seq_id, starts[-1] - 1))
@@ -287,7 +335,8 @@ class ModelRunner:
             block_tables=tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend)
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend,
+            state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None)
         if not self.backend.triton:   # the CPU kernel's rows, once for every layer of the step
             if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
                 ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,

@@ -11,6 +11,8 @@ architecture and the reason. Two sources of truth:
   must call the interface exactly once, with K and V of the pool's head size, with the window the
   config declares, with attention sinks (if any) of one logit per query head, and with no argument we
   do not implement. A model that computes attention in its own code (BLOOM) makes no call and is refused.
+  A layer that keeps a per-sequence state instead (LFM2's short convolutions) makes no attention call: it
+  is served when data_plane/state_layers.py has its forward on the state pool, and refused otherwise.
 
 The same probe picks how logits are computed from the sampled rows' hidden states (`final_logits`).
 """
@@ -23,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from data_plane import attention, own_attention
+from data_plane import attention, own_attention, state_layers
 from shared.config import ConfigError
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -33,6 +35,11 @@ SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attenti
 # layer kinds that keep a per-sequence state instead of (or beside) a KV cache: Mamba and Mamba2 SSMs,
 # gated delta-net linear attention (Qwen3-Next), short convolutions (LFM2), attention beside an SSM (Falcon-H1)
 STATE_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
+# model type -> its state layer kinds that data_plane/state_layers.py serves on the state pool
+# (transformers names every SSM layer kind "linear_attention", Mamba2 mixers included)
+SERVED_STATE_LAYERS = {"lfm2": {"conv"}, "mamba2": {"linear_attention"}, "granitemoehybrid": {"linear_attention"},
+                       "bamba": {"linear_attention"}, "falcon_h1": {"hybrid"}, "qwen3_next": {"linear_attention"},
+                       "mamba": {"linear_attention"}, "jamba": {"linear_attention"}}
 # keywords transformers passes to attention functions that do not change what attention computes
 # (any keyword set to False is a feature turned off, such as Mixtral's output_router_logits)
 HARMLESS_KWARGS = {"position_ids", "cache_position", "use_cache", "output_attentions"}
@@ -55,6 +62,8 @@ class Support:
     layer_windows: list[int | None]
     final_logits: Callable[[torch.Tensor], torch.Tensor]
     layer_chunks: list[int | None] = field(default_factory=list)
+    # layer index -> the shape of one sequence's state, for the layers that keep one (state pool)
+    state_shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def freeable_window(self) -> int:
@@ -81,9 +90,19 @@ def head_dim(config) -> int:
     """The K/V head size the KV pool is allocated with (data_plane/model_runner.py uses the same): with
     multi-head latent attention (DeepSeek-V2/V3) the K head size, query and key, nope and rotary parts
     together; V heads are narrower and are stored padded to it (data_plane/attention.py)."""
+    if not attention_layers(config):
+        return 1   # no layer attends (Mamba2): see kv_heads
     if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_head_dim", None):
         return config.qk_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads(config) -> int:
+    """The KV heads of each layer of the pool; 1 for a model no layer of which attends (Mamba2): its pool of
+    one value per token only stands for the tokens the control plane's blocks count."""
+    if not attention_layers(config):
+        return 1
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def config_windows(config) -> list[int | None]:
@@ -116,10 +135,11 @@ def config_reasons(config) -> list[str]:
         reasons.append(f"V head size {v_dim} is wider than K head size {qk_dim}; the KV pool holds V heads "
                        "no wider than K heads")
     types = getattr(config, "layer_types", None) or []
-    state = sorted(set(types) & STATE_LAYER_TYPES)
+    state = sorted(set(types) & STATE_LAYER_TYPES - SERVED_STATE_LAYERS.get(config.model_type, set()))
     if state:
         reasons.append(f"its layers of kinds {state} keep a per-sequence state (SSM, linear attention or "
-                       "convolution), which needs a state pool pagedserve does not have yet")
+                       "convolution) that pagedserve's state pool does not compute yet (it serves "
+                       f"{', '.join(f'{t} layers of {m}' for m, ts in SERVED_STATE_LAYERS.items() for t in sorted(ts))})")
     unknown = sorted(set(types) - SUPPORTED_LAYER_TYPES - STATE_LAYER_TYPES)
     if unknown:
         reasons.append(f"layer kinds {unknown} are not implemented (only {sorted(SUPPORTED_LAYER_TYPES)})")
@@ -141,17 +161,34 @@ def _probe_ids(model) -> torch.Tensor:
     return (torch.arange(5, device=model.device) * 7 + 3).remainder(vocab)[None]
 
 
+def attention_layers(config) -> list[int]:
+    """The layers that attend: every one but those of a state kind (LFM2's convolutions, Mamba2 mixers),
+    except "hybrid" layers (Falcon-H1), which do both."""
+    types = getattr(config, "layer_types", None)
+    return [i for i in range(config.num_hidden_layers) if not types or types[i] not in STATE_LAYER_TYPES - {"hybrid"}]
+
+
+def state_layers_of(config) -> list[int]:
+    """The layers that keep a per-sequence state."""
+    types = getattr(config, "layer_types", None) or []
+    return [i for i, kind in enumerate(types) if kind in STATE_LAYER_TYPES]
+
+
 def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
     layers = config.num_hidden_layers
+    expected = attention_layers(config)
+    if not expected:
+        return [] if not calls else [f"its layers of state kinds made attention calls (layers "
+                                     f"{[c.layer_idx for c in calls]})"]
     if not calls:
         return ["its attention does not go through transformers' attention interface (it computes "
                 "attention in its own code)"]
     reasons = []
     seen = [c.layer_idx for c in calls]
-    if sorted(i for i in seen if i is not None) != list(range(layers)) or len(seen) != layers:
+    if sorted(i for i in seen if i is not None) != expected or len(seen) != len(expected):
         reasons.append(f"its {layers} layers made attention calls for layers {seen}; pagedserve needs one "
-                       "call per decoder layer, each with its layer index")
-    dim, kv_heads = head_dim(config), getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+                       f"call per attention layer ({expected}), each with its layer index")
+    dim, heads = head_dim(config), kv_heads(config)
     windows = config_windows(config)
     for c in calls:
         if c.key_shape[-1] < c.value_shape[-1]:
@@ -159,8 +196,8 @@ def _call_reasons(config, calls: list[attention.AttentionCall]) -> list[str]:
                            "the KV pool holds V heads no wider than K heads")
         elif c.key_shape[-1] != dim or c.query_shape[-1] != dim:
             reasons.append(f"attention heads of size {c.key_shape[-1]} do not match the config's head size {dim}")
-        if c.key_shape[1] != kv_heads or c.query_shape[1] % c.key_shape[1]:
-            reasons.append(f"{c.key_shape[1]} KV heads for {c.query_shape[1]} query heads (config: {kv_heads})")
+        if c.key_shape[1] != heads or c.query_shape[1] % c.key_shape[1]:
+            reasons.append(f"{c.key_shape[1]} KV heads for {c.query_shape[1]} query heads (config: {heads})")
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < layers and c.sliding_window != windows[c.layer_idx]:
             reasons.append(f"layer {c.layer_idx} passes sliding window {c.sliding_window} but its config "
                            f"declares {windows[c.layer_idx]}")
@@ -254,12 +291,18 @@ def check_model(model) -> Support:
     ids = _probe_ids(model)
     attention.prepare(model)
     own_attention.install(model)
+    state_layers.install(model)
     _find_base_model(model)
     # probed on pagedserve's attention whatever the model was last set to (benchmarks switch it back
     # and forth); the base model as the runner calls it, then the whole model as generate does
     with _paged_attention(model), attention.record_calls() as calls:
         hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
     reasons = _call_reasons(config, calls)
+    shapes = state_layers.find(model)
+    stateful = state_layers_of(config)
+    if sorted(shapes) != stateful:
+        reasons.append(f"its state layers {stateful} are not the layers pagedserve computes on the state pool "
+                       f"({sorted(shapes)})")
     if reasons:
         raise UnsupportedModel(arch, reasons)
     with _paged_attention(model), attention.record_calls():   # zeros from attention in both passes
@@ -268,8 +311,8 @@ def check_model(model) -> Support:
     if chosen is None:
         raise UnsupportedModel(arch, ["its final logits are computed in a way pagedserve does not reproduce"])
     by_layer = {c.layer_idx: c for c in calls}
-    layers = range(config.num_hidden_layers)
-    support = Support([by_layer[i].sliding_window for i in layers], chosen, [by_layer[i].chunk for i in layers])
+    calls_of = [by_layer.get(i) for i in range(config.num_hidden_layers)]   # None: a state layer
+    support = Support([c and c.sliding_window for c in calls_of], chosen, [c and c.chunk for c in calls_of], shapes)
     model.__dict__[_CACHE_ATTR] = support
     return support
 

@@ -34,6 +34,8 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024  # a plan of a whole new batch of long prompt
 # a block-table entry whose block left the sliding window and went back to the pool: it keeps the
 # logical index of the blocks after it, and nothing reads it (see control_plane/block_manager.py)
 FREED_BLOCK_ID = -1
+# a sequence of a model without state layers holds no slot of the state pool
+NO_STATE_SLOT = -1
 
 HELLO, HANDSHAKE, STEP_PLAN, STEP_RESULT, PING, PONG, SHUTDOWN, ERROR = (
     "hello", "handshake", "plan", "result", "ping", "pong", "shutdown", "error")
@@ -117,23 +119,29 @@ class Handshake:
     # the window of a sequence's next query are never read again and may be freed. 0: some layer
     # sees the whole context: nothing is freed
     sliding_window: int = 0
+    # slots of the state pool (data_plane/state_pool.py), one per running sequence, for a model whose
+    # layers keep a per-sequence state (LFM2's convolutions); 0: no such layer, every sequence needs
+    # blocks only
+    num_state_slots: int = 0
 
     def to_wire(self) -> list:
         return [self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                 self.dtype, self.block_size, self.num_device_blocks, self.num_cpu_blocks,
                 self.max_model_len, self.device, list(self.eos_token_ids), self.owner_token,
-                self.sliding_window]
+                self.sliding_window, self.num_state_slots]
 
     @classmethod
     def from_wire(cls, body: list) -> "Handshake":
         b = _list(body)
-        if len(b) != 14:   # both planes ship in one package: every field is always sent
-            raise ProtocolError(f"a handshake has 14 fields, got {len(b)}")
-        window = _int(b[13])
+        if len(b) != 15:   # both planes ship in one package: every field is always sent
+            raise ProtocolError(f"a handshake has 15 fields, got {len(b)}")
+        window, slots = _int(b[13]), _int(b[14])
         if window < 0:
             raise ProtocolError(f"a handshake's sliding window must be >= 0, got {window}")
+        if slots < 0:
+            raise ProtocolError(f"a handshake's state slots must be >= 0, got {slots}")
         return cls(_str(b[0]), *(_int(v) for v in b[1:5]), _str(b[5]), *(_int(v) for v in b[6:10]),
-                   _str(b[10]), _ints(b[11]), _str(b[12]), window)
+                   _str(b[10]), _ints(b[11]), _str(b[12]), window, slots)
 
 
 @dataclass
@@ -209,16 +217,26 @@ class NewSequence:
     num_new_tokens: int       # tokens to compute this step, from num_computed_tokens on
     block_ids: list[int]      # the whole block table
     sampling: SamplingSpec
+    # its slot of the state pool (a model with state layers; see Handshake.num_state_slots), -1: none.
+    # Optional at the end of the wire list: absent for a model without state layers
+    state_slot: int = NO_STATE_SLOT
 
     def to_wire(self) -> list:
-        return [self.seq_id, self.token_ids, self.num_prompt_tokens, self.num_computed_tokens,
-                self.num_new_tokens, self.block_ids, self.sampling.to_wire()]
+        fields = [self.seq_id, self.token_ids, self.num_prompt_tokens, self.num_computed_tokens,
+                  self.num_new_tokens, self.block_ids, self.sampling.to_wire()]
+        return fields if self.state_slot == NO_STATE_SLOT else fields + [self.state_slot]
 
     @classmethod
     def from_wire(cls, body: list) -> "NewSequence":
-        seq_id, token_ids, num_prompt, num_computed, num_new, block_ids, sampling = _list(body, 7)
+        b = _list(body)
+        if len(b) not in (7, 8):
+            raise ProtocolError(f"a new sequence has 7 or 8 fields, got {len(b)}")
+        seq_id, token_ids, num_prompt, num_computed, num_new, block_ids, sampling = b[:7]
+        slot = _int(b[7]) if len(b) == 8 else NO_STATE_SLOT
+        if slot < 0 and slot != NO_STATE_SLOT:
+            raise ProtocolError(f"a state slot must be >= 0, got {slot}")
         return cls(_int(seq_id), _ints(token_ids), _int(num_prompt), _int(num_computed), _int(num_new),
-                   _ints(block_ids), SamplingSpec.from_wire(sampling))
+                   _ints(block_ids), SamplingSpec.from_wire(sampling), slot)
 
 
 @dataclass
@@ -263,27 +281,36 @@ class StepPlan:
     # constrained sequences that sample this step; little-endian bits, ceil(vocab / 32) * 4 bytes.
     # Optional at the end of the wire list: absent while no sequence is constrained.
     token_masks: list[tuple[int, bytes]] = field(default_factory=list)
+    # (src slot, dst slot) of the state pool: a fork's child starts from its parent's state, copied
+    # before the forward. Optional at the end: absent without forks of a model with state layers
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # state slots moved with a swapped sequence's blocks: (device slot, CPU slot) out, (CPU slot, device
+    # slot) in; run after the state copies, out before in. Optional at the end, like the copies
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     def to_wire(self) -> list:
         return _trim([self.step_id, [s.to_wire() for s in self.new_seqs], [s.to_wire() for s in self.cached_seqs],
                       self.forget_seq_ids, self.swap_out, self.swap_in, self.copies,
-                      [[i, m] for i, m in self.token_masks]], 1)
+                      [[i, m] for i, m in self.token_masks], self.state_copies, self.state_swap_out,
+                      self.state_swap_in], 4)
 
     @classmethod
     def from_wire(cls, body: list) -> "StepPlan":
         b = _list(body)
-        if len(b) not in (7, 8):
-            raise ProtocolError(f"a step plan has 7 or 8 fields, got {len(b)}")
+        if not 7 <= len(b) <= 11:
+            raise ProtocolError(f"a step plan has 7 to 11 fields, got {len(b)}")
         step_id, new, cached, forget, swap_out, swap_in, copies = b[:7]
         masks = []
-        for item in (_list(b[7]) if len(b) == 8 else []):
+        for item in (_list(b[7]) if len(b) >= 8 else []):
             seq_id, mask = _list(item, 2)
             if not isinstance(mask, bytes):
                 raise ProtocolError("a token mask must be bytes")
             masks.append((_int(seq_id), mask))
         return cls(_int(step_id), [NewSequence.from_wire(s) for s in _list(new)],
                    [CachedSequence.from_wire(s) for s in _list(cached)], _ints(forget), _int_tuples(swap_out, 2),
-                   _int_tuples(swap_in, 2), _int_tuples(copies, 2), masks)
+                   _int_tuples(swap_in, 2), _int_tuples(copies, 2), masks,
+                   *(_int_tuples(b[i], 2) if len(b) > i else [] for i in (8, 9, 10)))
 
 
 def draw_seed(seed: int | None, draw: int) -> int | None:

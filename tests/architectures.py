@@ -95,6 +95,25 @@ def _deepseek(version: str, q_lora_rank: int | None = None):
     return build
 
 
+def _mamba():
+    from transformers import MambaConfig, MambaForCausalLM
+    return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
+
+
+def _state_model(kind: str, **extra):
+    """A hybrid or state-space model: layers that keep a per-sequence state (served on the state pool, or
+    refused until its layers are)."""
+    def build():
+        import transformers
+        config = getattr(transformers, f"{kind}Config")(**{**dict(vocab_size=VOCAB, hidden_size=64,
+                                                                  intermediate_size=128, num_hidden_layers=2), **extra})
+        return config, getattr(transformers, f"{kind}ForCausalLM")
+    return build
+
+
+_MAMBA2_HEADS = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
+
+
 # name -> builder of (config, causal-LM class); every one is served token-identically
 SUPPORTED = {
     "Llama": _llama_like("Llama"),
@@ -136,10 +155,37 @@ SUPPORTED = {
     "Falcon (new decoder architecture, 2 KV heads)": _falcon(new_decoder_architecture=True, num_kv_heads=2),
     "DeepSeek-V2 (latent attention, K 24 wide, V 16)": _deepseek("V2"),
     "DeepSeek-V3 (latent attention, K 24 wide, V 16, q_lora)": _deepseek("V3", q_lora_rank=16),
+    # convolution layers first and last, so that a state layer reads the embeddings and feeds the head
+    "LFM2 (short convolutions on the state pool, attention)": _state_model(
+        "Lfm2", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"]),
+    "Mamba2 (SSM on the state pool, scan chunks of 8)": _state_model(
+        "Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1, chunk_size=8),
+    "Granite-MoE-Hybrid (Mamba2 and attention, MoE)": _state_model(
+        "GraniteMoeHybrid", num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["mamba", "attention"], mamba_chunk_size=8, **{**_MAMBA2_HEADS, "mamba_d_head": 32}),
+    "Bamba (Mamba2 and attention)": _state_model(
+        "Bamba", num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_chunk_size=8,
+        **{**_MAMBA2_HEADS, "mamba_d_head": 32}),
+    "Falcon-H1 (Mamba2 beside attention in every layer, SiLU gate)": _state_model(
+        "FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_chunk_size=8,
+        **_MAMBA2_HEADS),
+    "Qwen3-Next (gated delta-net on the state pool, gated attention, MoE)": _state_model(
+        "Qwen3Next", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"]),
+    "Mamba (SSM on the state pool)": _mamba,
+    "Jamba (Mamba with norms and attention, MoE)": _state_model(
+        "Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8),
 }
 # served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
 SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
-           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE"}
+           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE",
+           # state slots swap with their blocks
+           "Granite-MoE-Hybrid (Mamba2 and attention, MoE)", "Qwen3-Next (gated delta-net on the state pool, gated attention, MoE)",
+           "Mamba (SSM on the state pool)"}
 
 
 def build(builder, attn: str, seed: int = 0):
@@ -164,40 +210,9 @@ def _gpt_neo():
                         window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2), GPTNeoForCausalLM
 
 
-def _mamba():
-    from transformers import MambaConfig, MambaForCausalLM
-    return MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4), MambaForCausalLM
-
-
-def _state_model(kind: str, **extra):
-    """A hybrid or state-space model: layers that keep a per-sequence state, refused until a state pool exists."""
-    def build():
-        import transformers
-        config = getattr(transformers, f"{kind}Config")(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                                         num_hidden_layers=2, **extra)
-        return config, getattr(transformers, f"{kind}ForCausalLM")
-    return build
-
-
-_MAMBA2_HEADS = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
 STATE_MODELS = {
-    "Qwen3NextForCausalLM": _state_model(
-        "Qwen3Next", num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        layer_types=["linear_attention", "full_attention"]),
-    "GraniteMoeHybridForCausalLM": _state_model(
-        "GraniteMoeHybrid", num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
-        layer_types=["mamba", "attention"], **{**_MAMBA2_HEADS, "mamba_d_head": 32}),
-    "FalconH1ForCausalLM": _state_model("FalconH1", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        mamba_d_ssm=64, **_MAMBA2_HEADS),
-    "JambaForCausalLM": _state_model("Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2,
-                                     num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
-                                     expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
-                                     use_mamba_kernels=False),
-    "Lfm2ForCausalLM": _state_model("Lfm2", num_attention_heads=4, num_key_value_heads=2,
-                                    layer_types=["conv", "full_attention"]),
-    "Mamba2ForCausalLM": _state_model("Mamba2", num_heads=4, head_dim=32, state_size=8, n_groups=1),
+    # its mixer class is Mamba's with other norms, which the state pool does not compute yet
+    "FalconMambaForCausalLM": _state_model("FalconMamba", state_size=4),
 }
 
 
@@ -205,6 +220,5 @@ STATE_MODELS = {
 REFUSED = {
     "FalconForCausalLM": (_falcon(alibi=True), "adds the bias twice"),
     "GPTNeoForCausalLM": (_gpt_neo, "attention interface"),
-    "MambaForCausalLM": (_mamba, "per-sequence state"),
     **{name: (builder, "per-sequence state") for name, builder in STATE_MODELS.items()},
 }

@@ -32,7 +32,7 @@ class Played:
 def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
          mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
-         sliding_window: int = 0) -> Played:
+         sliding_window: int = 0, num_state_slots: int = 0) -> Played:
     """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
     number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
@@ -41,7 +41,7 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     num_blocks = runner.num_blocks if num_blocks is None else num_blocks
     block_size = runner.block_size if block_size is None else block_size
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks,
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, num_state_slots=num_state_slots)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     seqs = [Sequence(f"r{i}", list(p), len(p), params, params.spec([]), arrival_time=float(i))

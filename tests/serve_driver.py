@@ -35,6 +35,7 @@ class Served:
     window_freed: int                # blocks given back because they left the sliding window
     peak_blocks: int                 # most device blocks in use after any step
     sliding_window: int              # what the runner's handshake said
+    state_slots: int = 0             # the runner's state pool (a model with state layers)
 
 
 def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
@@ -45,13 +46,14 @@ def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
                              swap_blocks=num_blocks if swap else 0)
     runner = ModelRunner(model, config, torch.device("cpu"))
-    window = runner.handshake().sliding_window
+    handshake = runner.handshake()
+    window = handshake.sliding_window
     played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,
                   sliding_window=window if free_window else 0, mode="swap" if swap else "recompute",
-                  num_cpu_blocks=num_blocks if swap else 0)
+                  num_cpu_blocks=num_blocks if swap else 0, num_state_slots=handshake.num_state_slots)
     outputs = [(tokens, logprobs[-max_tokens:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
     return Served(outputs, played.preemptions, played.swap_preemptions, played.prefix_hits, played.window_freed,
-                  played.peak_blocks, window)
+                  played.peak_blocks, window, handshake.num_state_slots)
 
 
 def assert_same(outputs, expected, atol: float = 1e-4) -> None:

@@ -4,7 +4,8 @@ at start with its name and reason (tests/architectures.py builds the tiny random
 
 One run per architecture drives the real scheduler and block manager on a pool too small for the
 work, so that within that run: a 70-token prompt is prefilled in chunks; its context and others pass
-the sliding windows (12 and 16) and attention chunks (8); prompts share a prefix (prefix-cache hits);
+the sliding windows (12 and 16) and attention chunks (8); prompts share a prefix (prefix-cache hits,
+except for models with state layers, which have no prefix cache: LFM2);
 sequences are preempted (by recompute, or for the architectures in SWAPPED by swapping to the CPU pool);
 blocks freed by finished sequences serve later ones; and where every layer has a window, blocks
 that leave it go back to the pool while their sequence runs.
@@ -45,8 +46,10 @@ def test_served_like_transformers(name):
     frees = model_support.check_model(model).freeable_window > 0
     served = serve(model, PROMPTS, MAX_TOKENS, BLOCK_SIZE, NUM_BLOCKS_FREEING if frees else NUM_BLOCKS,
                    swap=name in SWAPPED)
-    # preemptions: by recompute; swap_preemptions: by swapping
-    assert served.prefix_hits > 0 and (served.swap_preemptions if name in SWAPPED else served.preemptions) > 0, served
+    # preemptions: by recompute; swap_preemptions: by swapping. A model with state layers has no prefix cache
+    # (a cached block holds no state) and is preempted by recompute
+    assert (served.prefix_hits > 0) == (served.state_slots == 0), served
+    assert (served.swap_preemptions if name in SWAPPED else served.preemptions) > 0, served
     # a model whose every layer has a window frees the blocks that leave it (Mistral, Phi3, Mixtral)
     assert (served.window_freed > 0) == (served.sliding_window > 0), served
     assert_same(served.outputs, expected)

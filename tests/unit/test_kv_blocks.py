@@ -99,7 +99,7 @@ def test_the_snapshot_is_the_block_managers_state_on_both_pools():
     assert [cpu_holder[b] for b in tables[swapped[0].seq_id]] == [swapped[0].seq_id] * 2
     assert snap["stats"] == {"running": 3, "waiting": 1, "swapped": 1, "kv_usage": bm.usage(),
                              "cpu_kv_usage": bm.cpu_usage(), "generated_tokens": 42,
-                             "preemptions": {"recompute": 0, "swap": 1}}
+                             "preemptions": {"recompute": 0, "swap": 1}, "state_slots": 0, "state_slots_used": 0}
 
 
 def test_blocks_that_left_the_window_are_marked_and_ref_counts_past_35_are_spelled_out():

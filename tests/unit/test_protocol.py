@@ -63,7 +63,9 @@ def test_handshake_carries_the_sliding_window_and_every_field_is_required():
     assert P.decode(P.encode(P.HANDSHAKE, hs)) == (P.HANDSHAKE, hs)
     body = hs.to_wire()
     with pytest.raises(P.ProtocolError, match="sliding window"):
-        P.Handshake.from_wire(body[:13] + [-1])
-    for wrong in (body[:13], body[:12], body + [0]):
-        with pytest.raises(P.ProtocolError, match="14 fields"):
+        P.Handshake.from_wire(body[:13] + [-1, 0])
+    with pytest.raises(P.ProtocolError, match="state slots"):
+        P.Handshake.from_wire(body[:14] + [-1])
+    for wrong in (body[:14], body[:13], body + [0]):
+        with pytest.raises(P.ProtocolError, match="15 fields"):
             P.Handshake.from_wire(wrong)
