@@ -15,7 +15,8 @@ from data_plane import attention
 from shared.config import ControlPlaneConfig
 from control_plane.sampling_params import ValidationError
 from tests.architectures import SUPPORTED, build
-from tests.helpers import DigitTokenizer, LocalClient, assert_pool_clean, make_runner, run_all
+from tests.helpers import DigitTokenizer, assert_pool_clean, make_runner, run_all
+from tests.runner_link import RunnerLink
 
 # a state of one part (LFM2's convolution window) and of two (Mamba's window and SSM state)
 MODELS = ["LFM2 (short convolutions on the state pool, attention)", "Mamba (SSM on the state pool)"]
@@ -34,7 +35,7 @@ def engine_over(runner, num_state_slots: int | None = None, budget: int = 16):
     hs = runner.handshake()
     if num_state_slots is not None:
         hs = dataclasses.replace(hs, num_state_slots=num_state_slots)
-    client = LocalClient(runner)
+    client = RunnerLink(runner)
     cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=True)
     return Engine(cp, client, hs, DigitTokenizer()), client
 
