@@ -269,14 +269,15 @@ class ModelRunner:
             self.swap.check(plan.swap_out, plan.swap_in)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
-        state_orders = plan.state_copies + plan.state_swap_out + plan.state_swap_in
+        state_orders = plan.state_copies or plan.state_swap_out or plan.state_swap_in   # none for most models
         if state_orders:
             if self.states is None:
                 raise PlanError("the plan copies or swaps state slots; the model has no state layers")
             if self.states.cpu_states is None and (plan.state_swap_out or plan.state_swap_in):
                 raise PlanError("the plan swaps state slots; this data plane has no swap space")
             try:   # device and CPU slots are numbered alike
-                self.states.check([slot for pair in state_orders for slot in pair])
+                self.states.check([slot for orders in (plan.state_copies, plan.state_swap_out, plan.state_swap_in)
+                                   for pair in orders for slot in pair])
             except ValueError as exc:
                 raise PlanError(str(exc)) from None
         scheduled = self._apply_plan(plan)

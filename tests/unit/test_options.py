@@ -78,11 +78,14 @@ def test_serve_takes_metrics_port_under_both_names():
 
 def test_a_taken_metrics_port_is_refused_at_start_naming_the_flag(capsys):
     import socket
+    with socket.socket() as free:   # a REST port nothing holds (port + 1 may be another test's server)
+        free.bind(("127.0.0.1", 0))
+        rest_port = free.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        code = cli.main(["serve", "--port", str(port + 1 if port < 65535 else port - 1), "--metrics-port", str(port)])
+        code = cli.main(["serve", "--port", str(rest_port), "--metrics-port", str(port)])
     assert code == 2
     err = capsys.readouterr().err
     assert f"--metrics-port {port}" in err and "taken" in err
