@@ -92,6 +92,24 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    def group_blocks(self, token_lists: list[list[int]], chunk: int) -> int:
+        """Device blocks that the sequences of one request (parallel samples, beams), recomputed
+        together, hold at most once all have caught up: each one's blocks, less the full blocks of its
+        longest common prefix with an earlier one when the prefix cache shares them, and with a sliding
+        window no more than a query and a chunk of `chunk` new tokens read. Counting every sequence
+        whole would ask for more than the pool has for a group that ran in it, sharing its prompt."""
+        total = 0
+        for i, tokens in enumerate(token_lists):
+            blocks = self.blocks_needed(len(tokens))
+            if self.enable_prefix_caching and i:
+                common = max(_common_prefix(tokens, other) for other in token_lists[:i])
+                # the block holding its last token is never shared (see the top)
+                blocks -= min(common, len(tokens) - 1) // self.block_size
+            if self.sliding_window:
+                blocks = min(blocks, self.blocks_needed(self.sliding_window + chunk) + 1)
+            total += blocks
+        return total
+
     def usage(self) -> float:
         return self.pool.usage()
 
@@ -347,3 +365,12 @@ class BlockManager:
             self.state_slots.check_integrity(set(self.tables))
         if self.cpu_state_slots is not None:
             self.cpu_state_slots.check_integrity(set(self.cpu_tables))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

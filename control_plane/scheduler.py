@@ -12,7 +12,10 @@ token sampled last step). Each step:
      the waiting queue and later recomputes prompt and outputs);
   2. if nothing was preempted, swapped requests come back first (swap-in), oldest first;
   3. then, if none is left swapped, waiting sequences are admitted in order while budget,
-     batch size and free blocks (above a small watermark) allow.
+     batch size and free blocks (above a small watermark) allow. A request preempted whole (parallel
+     samples, beams) comes back whole, when the blocks it will hold are free (BlockManager.group_blocks:
+     a prefix shared once, a window's worth at most) or nothing else runs; its first sequence
+     computes, the others then share its cached prefix.
 
 The step is two calls, as in vLLM V1. schedule() returns the StepPlan to send and records at once
 what it tells the data plane (_update_after_schedule): its sequences count the tokens it computes as
@@ -258,6 +261,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             group = self._group_at(i)
+            for seq in group[1:]:
+                if seq.seq_id not in self.bm.tables and not seq.num_computed_tokens and \
+                        not seq.wants_prompt_logprobs:
+                    # the rest of a request admitted again whole: it shares what the first computed
+                    seq.num_computed_tokens = self.bm.match_prefix(seq.seq_id, seq.token_ids)
             # room for the whole request first; the latest-arriving request gives way, whole
             while self._lacks_room(group, budget):
                 victim = self._last_group()
@@ -398,8 +406,10 @@ class Scheduler:
             if len(self.running) + len(group) > self.max_num_seqs or any(s.num_pending_tokens for s in group):
                 break       # (pending: preempted while a step sampled for it; sent in full once it is known)
             if len(group) > 1:
-                needed = sum(self.bm.blocks_needed(s.num_tokens) for s in group)
-                if needed + self.watermark_blocks > self.bm.num_free_blocks() or \
+                needed = self.bm.group_blocks([s.token_ids for s in group], budget)
+                # with nothing running the pool is as free as it gets: waiting would never end (the count
+                # is an estimate: a window frees blocks as the group catches up)
+                if needed + self.watermark_blocks > self.bm.num_free_blocks() and self.running or \
                         len(group) > self.bm.num_free_slots():
                     break
             seq = head

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from control_plane.block_manager import BlockManager
 from control_plane.preemption import PreemptionPolicy
 from control_plane.sampling_params import SamplingParams
-from control_plane.scheduler import Finish, Scheduler
+from control_plane.scheduler import Finish, Fork, Scheduler
 from control_plane.sequence import Sequence
 
 
@@ -27,26 +27,33 @@ class Played:
     cow_copies: int
     window_freed: int               # blocks given back because they left the sliding window
     peak_blocks: int                # most device blocks in use after any step
+    # parallel samples after the first: (prompt index, output tokens, their log-probs), in fork order
+    forks: list[tuple[int, list[int], list[float]]]
 
 
 def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
          mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
-         sliding_window: int = 0, num_state_slots: int = 0) -> Played:
+         sliding_window: int = 0, num_state_slots: int = 0, samples: dict[int, int] | None = None) -> Played:
     """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
     number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
     `sliding_window` the block manager frees blocks that leave the window. Checks the pool's integrity
-    after every step and that no block leaked at the end."""
+    after every step and that no block leaked at the end. `samples`: prompt index -> n, parallel samples
+    of that prompt (its first step draws n tokens; samples 1 .. n - 1 fork from the first, as the output
+    processor's Fork decisions do, sharing its blocks and copying its state)."""
     num_blocks = runner.num_blocks if num_blocks is None else num_blocks
     block_size = runner.block_size if block_size is None else block_size
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks,
                       sliding_window=sliding_window, num_state_slots=num_state_slots)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    seqs = [Sequence(f"r{i}", list(p), len(p), params, params.spec([]), arrival_time=float(i))
+    samples = samples or {}
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, n=samples.get(i, 1))
+              for i in range(len(prompts))]
+    seqs = [Sequence(f"r{i}", list(p), len(p), params[i], params[i].spec([]), arrival_time=float(i))
             for i, p in enumerate(prompts)]
     by_id = {s.seq_id: s for s in seqs}
+    children: list[tuple[int, Sequence]] = []
     logprobs: dict[int, list[float]] = {s.seq_id: [] for s in seqs}
     for s in seqs:
         sched.add(s)
@@ -57,17 +64,29 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
         result = runner.execute(plan)
         assert result.error is None, result.error
         sched.update(plan, result)
-        ended = []
+        forked, ended, draws = [], [], {}
         for tok in result.sampled:
-            seq = by_id[tok.seq_id]
-            seq.token_ids.append(tok.token_id)
-            logprobs[tok.seq_id].append(tok.logprob)
-            if seq.num_output_tokens >= max_tokens:
-                ended.append(Finish(seq, "length"))
-        sched.apply(ended)
+            draws.setdefault(tok.seq_id, []).append(tok)
+        for seq_id, seq_draws in draws.items():
+            seq = by_id[seq_id]
+            streams = [seq]
+            for j in range(1, len(seq_draws)):   # forked before the first sample's token is appended
+                child = Sequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
+                                 seq.params.spec([], draw=j), sample_index=j, arrival_time=seq.arrival_time)
+                by_id[child.seq_id], logprobs[child.seq_id] = child, []
+                children.append((int(seq.request_id[1:]), child))
+                forked.append(Fork(seq, child))
+                streams.append(child)
+            for stream, tok in zip(streams, seq_draws):
+                stream.token_ids.append(tok.token_id)
+                logprobs[stream.seq_id].append(tok.logprob)
+                if stream.num_output_tokens >= max_tokens:
+                    ended.append(Finish(stream, "length"))
+        sched.apply(forked + ended)
         sched.check_integrity()
         peak = max(peak, num_blocks - bm.num_free_blocks())
     assert bm.num_free_blocks() == num_blocks, "blocks leaked"
     assert bm.cpu_usage() == 0, "CPU blocks leaked"
     return Played([s.output_token_ids for s in seqs], [logprobs[s.seq_id] for s in seqs], sched.num_preemptions,
-                  sched.num_swap_preemptions, bm.prefix_hits, bm.num_cow_copies, bm.num_window_freed, peak)
+                  sched.num_swap_preemptions, bm.prefix_hits, bm.num_cow_copies, bm.num_window_freed, peak,
+                  [(i, c.output_token_ids, logprobs[c.seq_id]) for i, c in children])

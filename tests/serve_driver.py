@@ -7,7 +7,7 @@ block freeing test (tests/integration/test_window_freeing.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,13 +36,18 @@ class Served:
     peak_blocks: int                 # most device blocks in use after any step
     sliding_window: int              # what the runner's handshake said
     state_slots: int = 0             # the runner's state pool (a model with state layers)
+    # parallel samples after the first: (prompt index, (tokens, log-probs)); copy-on-write copies made
+    forks: list[tuple[int, tuple[list[int], list[float]]]] = field(default_factory=list)
+    cow_copies: int = 0
 
 
 def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
-          max_num_seqs: int = 3, budget: int = 16, free_window: bool = True, swap: bool = False) -> Served:
+          max_num_seqs: int = 3, budget: int = 16, free_window: bool = True, swap: bool = False,
+          samples: dict[int, int] | None = None) -> Served:
     """Greedy decoding of every prompt (all queued at once, in order) on a pool of `num_blocks`;
     `free_window`: the block manager learns the window from the handshake, as the engine's does;
-    `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed."""
+    `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed;
+    `samples`: prompt index -> n greedy parallel samples (forks of the first)."""
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
                              swap_blocks=num_blocks if swap else 0)
     runner = ModelRunner(model, config, torch.device("cpu"))
@@ -50,10 +55,12 @@ def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num
     window = handshake.sliding_window
     played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,
                   sliding_window=window if free_window else 0, mode="swap" if swap else "recompute",
-                  num_cpu_blocks=num_blocks if swap else 0, num_state_slots=handshake.num_state_slots)
+                  num_cpu_blocks=num_blocks if swap else 0, num_state_slots=handshake.num_state_slots,
+                  samples=samples)
     outputs = [(tokens, logprobs[-max_tokens:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
+    forks = [(i, (tokens, logprobs[-max_tokens:])) for i, tokens, logprobs in played.forks]
     return Served(outputs, played.preemptions, played.swap_preemptions, played.prefix_hits, played.window_freed,
-                  played.peak_blocks, window, handshake.num_state_slots)
+                  played.peak_blocks, window, handshake.num_state_slots, forks, played.cow_copies)
 
 
 def assert_same(outputs, expected, atol: float = 1e-4) -> None:

@@ -7,8 +7,10 @@ work, so that within that run: a 70-token prompt is prefilled in chunks; its con
 the sliding windows (12 and 16) and attention chunks (8); prompts share a prefix (prefix-cache hits,
 except for models with state layers, which have no prefix cache: LFM2);
 sequences are preempted (by recompute, or for the architectures in SWAPPED by swapping to the CPU pool);
-blocks freed by finished sequences serve later ones; and where every layer has a window, blocks
-that leave it go back to the pool while their sequence runs.
+blocks freed by finished sequences serve later ones; where every layer has a window, blocks
+that leave it go back to the pool while their sequence runs; and one prompt has two greedy parallel
+samples (n=2): the second forks from the first after the prompt, sharing its blocks (the partly filled
+last one copied on write) and, with state layers, a copy of its state; both equal `generate`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ SHARED = list(range(200, 229))   # 29 tokens: 7 full blocks shared by two prompt
 PROMPTS = [[1] + list(range(300, 369)),                  # 70 tokens: prefilled in chunks, past every window
            [1] + SHARED + [7, 8], [1] + SHARED + [9],     # prefix-cache hits
            [1, 5, 9, 33, 7], [1] + list(range(100, 120))]
+FORKED = {4: 2}    # n=2 for the 21-token prompt: its last block is partly filled when the sample forks
 
 
 def test_the_workload_reuses_blocks_and_passes_the_windows():
@@ -45,7 +48,7 @@ def test_served_like_transformers(name):
     model.set_attn_implementation(attention.register())
     frees = model_support.check_model(model).freeable_window > 0
     served = serve(model, PROMPTS, MAX_TOKENS, BLOCK_SIZE, NUM_BLOCKS_FREEING if frees else NUM_BLOCKS,
-                   swap=name in SWAPPED)
+                   swap=name in SWAPPED, samples=FORKED)
     # preemptions: by recompute; swap_preemptions: by swapping. A model with state layers has no prefix cache
     # (a cached block holds no state) and is preempted by recompute
     assert (served.prefix_hits > 0) == (served.state_slots == 0), served
@@ -53,6 +56,9 @@ def test_served_like_transformers(name):
     # a model whose every layer has a window frees the blocks that leave it (Mistral, Phi3, Mixtral)
     assert (served.window_freed > 0) == (served.sliding_window > 0), served
     assert_same(served.outputs, expected)
+    assert [i for i, _ in served.forks] == [4], served.forks
+    assert served.cow_copies > 0, served
+    assert_same([out for _, out in served.forks], [expected[4]])
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -216,3 +216,31 @@ def test_restart_on_a_larger_pool_renews_the_watermark():
     assert sched.watermark_blocks == 1
     sched.restart(BlockManager(1000, 4))
     assert sched.watermark_blocks == 10
+
+
+def test_group_blocks_counts_a_shared_prefix_once_and_a_window_at_most():
+    bm = BlockManager(64, 4)
+    parent = list(range(1, 26))                  # 25 tokens: 7 blocks
+    twin, other = parent[:], parent[:20] + [99] * 5
+    assert bm.group_blocks([parent, twin], chunk=8) == 7 + 1     # 6 full blocks shared; its last one is its own
+    assert bm.group_blocks([parent, other], chunk=8) == 7 + 2    # 20 common tokens: 5 blocks shared
+    assert BlockManager(64, 4, enable_prefix_caching=False).group_blocks([parent, twin], chunk=8) == 14
+    # a window of 8 with chunks of 4: a query and a chunk read at most 12 positions, 3 blocks, + 1 straddling
+    assert BlockManager(64, 4, enable_prefix_caching=False, sliding_window=8).group_blocks([parent, twin], 4) == 8
+
+
+def test_a_preempted_pair_of_samples_comes_back_in_a_pool_too_small_for_two_whole_copies():
+    # 10 blocks of 4; two samples of one request at 33 and 29 tokens would need 9 + 8 blocks unshared, and
+    # 9 + 1 with the shared prefix: more than the pool less its watermark. With nothing else running the
+    # pair is admitted (it waited forever before), and its prompt is computed once
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=40, n=2)
+    parent = Sequence("r0", list(range(1, 34)), 20, params, params.spec([]))
+    child = Sequence("r0", list(range(1, 30)), 20, params, params.spec([], draw=1), sample_index=1)
+    assert sched.bm.group_blocks([parent.token_ids, child.token_ids], 64) + sched.watermark_blocks > 10
+    sched.requeue_front([parent, child])
+    out = fake_step(sched)
+    assert [(r, n, whole) for r, n, _, whole in scheduled(out)] == [("r0", 33, True)]
+    assert parent.status is child.status is SeqStatus.RUNNING
+    out = fake_step(sched)    # the child matches the parent's 7 full blocks and computes the rest
+    assert [(r, n) for r, n, _, _ in scheduled(out)] == [("r0", 1), ("r0", 1)]
