@@ -180,14 +180,6 @@ SUPPORTED = {
         "Jamba", num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8),
 }
-# served with preemption by swapping to the CPU pool (the others by recompute): one of each attention variant
-SWAPPED = {"GPT-OSS (sinks, alternating window 12, MoE)", "Llama 4 text (chunks of 8, NoPE layer, MoE)", "BLOOM (ALiBi)",
-           "Falcon (new decoder architecture, 2 KV heads)", "EXAONE 4 (alternating window 12)", "GLM-4-MoE",
-           # state slots swap with their blocks
-           "Granite-MoE-Hybrid (Mamba2 and attention, MoE)", "Qwen3-Next (gated delta-net on the state pool, gated attention, MoE)",
-           "Mamba (SSM on the state pool)"}
-
-
 def build(builder, attn: str, seed: int = 0):
     """The model in float32, eval mode, with weights drawn from `seed` (large enough that greedy
     decoding has no near-ties)."""

@@ -6,7 +6,8 @@ One run per architecture drives the real scheduler and block manager on a pool t
 work, so that within that run: a 70-token prompt is prefilled in chunks; its context and others pass
 the sliding windows (12 and 16) and attention chunks (8); prompts share a prefix (prefix-cache hits,
 except for models with state layers, which have no prefix cache: LFM2);
-sequences are preempted (by recompute, or for the architectures in SWAPPED by swapping to the CPU pool);
+sequences are preempted (each architecture runs twice: preempted by recompute, then by swapping to the
+CPU pool);
 blocks freed by finished sequences serve later ones; where every layer has a window, blocks
 that leave it go back to the pool while their sequence runs; and one prompt has two greedy parallel
 samples (n=2): the second forks from the first after the prompt, sharing its blocks (the partly filled
@@ -20,7 +21,7 @@ import torch
 from data_plane import attention, model_support
 from data_plane.model_runner import load_model
 from shared.config import DataPlaneConfig
-from tests.architectures import REFUSED, SUPPORTED, SWAPPED, build
+from tests.architectures import REFUSED, SUPPORTED, build
 from tests.serve_driver import assert_same, hf_reference, serve
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 4, 32, 16
@@ -41,18 +42,25 @@ def test_the_workload_reuses_blocks_and_passes_the_windows():
     assert max(len(p) for p in PROMPTS) > 16 + 16      # longer than a window plus a chunk
 
 
+_expected: dict[str, list] = {}    # transformers' outputs per architecture, shared by its two runs
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("name", list(SUPPORTED))
-def test_served_like_transformers(name):
+def test_served_like_transformers(name, mode):
     model = build(SUPPORTED[name], "eager")
-    expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS]
+    if name not in _expected:
+        _expected[name] = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS]
+    expected = _expected[name]
     model.set_attn_implementation(attention.register())
     frees = model_support.check_model(model).freeable_window > 0
+    swap = mode == "swap"
     served = serve(model, PROMPTS, MAX_TOKENS, BLOCK_SIZE, NUM_BLOCKS_FREEING if frees else NUM_BLOCKS,
-                   swap=name in SWAPPED, samples=FORKED)
+                   swap=swap, samples=FORKED)
     # preemptions: by recompute; swap_preemptions: by swapping. A model with state layers has no prefix cache
-    # (a cached block holds no state) and is preempted by recompute
+    # (a cached block holds no state)
     assert (served.prefix_hits > 0) == (served.state_slots == 0), served
-    assert (served.swap_preemptions if name in SWAPPED else served.preemptions) > 0, served
+    assert (served.swap_preemptions if swap else served.preemptions) > 0, served
     # a model whose every layer has a window frees the blocks that leave it (Mistral, Phi3, Mixtral)
     assert (served.window_freed > 0) == (served.sliding_window > 0), served
     assert_same(served.outputs, expected)
