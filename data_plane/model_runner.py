@@ -91,7 +91,8 @@ class ModelRunner:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
         self.graphs = None
-        # (not for state layers: their per-sequence forward is not captured)
+        # (not for state layers: their per-sequence forward is not captured; so the graphs' steps run on a pool
+        # whose slab of a layer is the layer's index)
         if (config.decode_graphs == "eager" or capture) and self.states is None:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
