@@ -33,7 +33,7 @@ ATTENTION_NAME = "pagedserve"
 
 @dataclass
 class StepContext:
-    kv_pool: torch.Tensor          # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    kv_pool: torch.Tensor          # [attention layers, 2, blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor     # [tokens] int64: where each new token's K/V goes
     block_tables: torch.Tensor     # [seqs, max_blocks] int32
     seq_lens: torch.Tensor         # [seqs] int32: context length after this step
@@ -45,6 +45,9 @@ class StepContext:
     backend: Backend | None = None
     # the state layers' part of the step (data_plane/state_pool.py), for a model that has them
     state: "StateStep | None" = None
+    # model layer index -> its slab of kv_pool, for a model with state layers (which have no slab:
+    # data_plane/kv_pool.py); None: every layer attends and its slab is its index
+    kv_slabs: dict[int, int] | None = None
     _positions: torch.Tensor | None = None
 
     @property
@@ -167,7 +170,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if _tunes_temperature(module):
         query = _temperature_scaled(module, query, ctx.positions)
     assert query.shape[0] == 1, "pagedserve runs one flattened row of tokens"
-    layer = ctx.kv_pool[module.layer_idx]
+    layer = ctx.kv_pool[module.layer_idx if ctx.kv_slabs is None else ctx.kv_slabs[module.layer_idx]]
     k_cache, v_cache = layer[0], layer[1]
     q = query[0].transpose(0, 1)   # [tokens, heads, dim]
     k = key[0].transpose(0, 1)

@@ -1,9 +1,12 @@
-"""The device KV pool: one tensor holding every block of every layer.
+"""The device KV pool: one tensor holding every block of every attention layer.
 
-    pool[layer, 0 = K | 1 = V, block, offset in block, kv head, head dim]
+    pool[slab, 0 = K | 1 = V, block, offset in block, kv head, head dim]
 
-Its size in blocks is fixed at start and reported at the handshake; the control plane's
-block manager decides which block ids are used for what.
+One slab per layer that attends; a layer that keeps a per-sequence state instead (LFM2's convolutions,
+Mamba mixers) has none, its state lives in the state pool (data_plane/state_pool.py). `slabs` gives the
+map from a model layer index to its slab (the identity when every layer attends). Its size in blocks is
+fixed at start and reported at the handshake; the control plane's block manager decides which block ids
+are used for what.
 """
 from __future__ import annotations
 
@@ -34,7 +37,16 @@ def choose_num_blocks(block_bytes: int, device: torch.device, kv_cache_blocks: i
     return num_blocks
 
 
-def allocate_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+def slabs(attention_layers: list[int], num_layers: int) -> dict[int, int] | None:
+    """Model layer index -> its slab of the pool, for the layers in `attention_layers`; None when every one
+    of the `num_layers` layers attends, where the slab is the layer index itself (and a step looks nothing up)."""
+    if attention_layers == list(range(num_layers)):
+        return None
+    return {layer: slab for slab, layer in enumerate(attention_layers)}
+
+
+def allocate_pool(num_slabs: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`num_slabs`: the layers that attend (see `slabs`)."""
     # zeros, not empty: padding slots of a gathered block are read (then masked) by the CPU path
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return torch.zeros(num_slabs, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)

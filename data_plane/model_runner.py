@@ -85,19 +85,22 @@ class ModelRunner:
         self._arange = torch.arange(64, dtype=torch.int64, device=device)
         heads = (getattr(self.model.config, "num_attention_heads", None) or self.num_kv_heads) \
             // config.tensor_parallel_size
-        compiled = warmup.warm_up(self.layer_caches, heads, self.backend)
+        # (a pool of no layer, Mamba's, has no cache to compile the kernels on, and no layer calls them)
+        compiled = warmup.warm_up(self.layer_caches, heads, self.backend) if self.layer_caches else None
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
         self.graphs = None
-        # (not for state layers: their per-sequence forward is not captured)
+        # (not for state layers: their per-sequence forward is not captured; so the graphs' steps run on a pool
+        # whose slab of a layer is the layer's index)
         if (config.decode_graphs == "eager" or capture) and self.states is None:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture, self.backend)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB) on %s; attention ops: %s; forward: %s; linear "
-                 "layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked GEMM",
-                 self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20, device,
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB, K/V of %d of %d layers) on %s; attention ops: %s; "
+                 "forward: %s; linear layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked "
+                 "GEMM", self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20,
+                 self.num_kv_layers, self.num_layers, device,
                  self.backend.describe(),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
                  routes["codes"], routes["kernel"], routes["packed"])
@@ -135,6 +138,11 @@ class ModelRunner:
         # > 0: the control plane frees blocks outside this window; their table entries come as -1
         self.sliding_window = support.freeable_window
         self._state_shapes = support.state_shapes
+        # the layers with a K/V slab in the pool: all but the state layers of a hybrid model (the probe has
+        # checked that these are the layers that call attention), and the map to their slabs, made once here
+        attending = model_support.attention_layers(mc)
+        self.num_kv_layers = len(attending)
+        self.kv_slabs = kv_pool.slabs(attending, self.num_layers)
         if support.state_shapes and config.tensor_parallel_size > 1:
             raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: a model with state layers "
                               "(layers " + ", ".join(map(str, sorted(support.state_shapes))) + ") is served on one "
@@ -146,7 +154,7 @@ class ModelRunner:
         """The KV pool on the device (less what decode graphs will need) and the swap space; returns
         whether graphs are captured, and their batch sizes."""
         mc, device = self.model.config, self.device
-        block_bytes = kv_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+        block_bytes = kv_block_bytes(self.num_kv_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
         # not with tensor parallelism (its all_reduce between ranks is not captured), nor with state layers
         # (their per-sequence forward is not either)
@@ -156,23 +164,27 @@ class ModelRunner:
         reserve = decode_graphs.reserve_bytes(
             graph_buckets[-1], mc.hidden_size, getattr(mc, "intermediate_size", 4 * mc.hidden_size),
             mc.num_attention_heads * self.head_dim, DTYPE_BYTES[config.dtype]) if capture else 0
-        self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
-                                                    config.kv_cache_gib, reserve)
-        swap_blocks = SwapPool.blocks_for_budget(block_bytes, config.swap_blocks, config.swap_space_gib)
-        if self._state_shapes and not model_support.attention_layers(mc):
-            # no layer reads the pool (Mamba): its blocks of one value only count tokens, and a budget in bytes
-            # would make millions; enough for every state slot's sequence at full length
+        if self.num_kv_layers:
+            self.num_blocks = kv_pool.choose_num_blocks(block_bytes, device, config.kv_cache_blocks,
+                                                        config.kv_cache_gib, reserve)
+            swap_blocks = SwapPool.blocks_for_budget(block_bytes, config.swap_blocks, config.swap_space_gib)
+        else:
+            # no layer attends (Mamba): a pool of no slabs, whose blocks hold no bytes and only count the tokens
+            # the control plane admits; a budget in bytes would make them countless, so there are as many as
+            # every state slot's sequence needs at full length, or fewer when asked for in blocks
             cap = DEFAULT_NUM_SLOTS * -(-self.max_model_len // self.block_size)
-            self.num_blocks, swap_blocks = min(self.num_blocks, cap), min(swap_blocks, cap)
-        self.pool = kv_pool.allocate_pool(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+            self.num_blocks = min(cap, config.kv_cache_blocks or cap)
+            swap_blocks = min(cap, config.swap_blocks) if config.swap_blocks is not None else \
+                cap if config.swap_space_gib > 0 else 0
+        self.pool = kv_pool.allocate_pool(self.num_kv_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
         self.swap = SwapPool(self.pool, swap_blocks)
         # layers with a per-sequence state: a slot each per sequence, and as many in CPU memory with swap space
         self.states = StatePool(self._state_shapes, DEFAULT_NUM_SLOTS, self.dtype, device,
                                 swap=self.swap.num_blocks > 0) if self._state_shapes else None
         self.block_bytes = block_bytes
-        # per layer and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
-        self.layer_caches = [self.pool[layer, kv] for layer in range(self.num_layers) for kv in (0, 1)]
+        # per slab and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
+        self.layer_caches = [self.pool[slab, kv] for slab in range(self.num_kv_layers) for kv in (0, 1)]
         return capture, graph_buckets
 
     def _route(self, config: DataPlaneConfig, wide_codes: dict | None) -> tuple[dict[str, int], str | None]:
@@ -196,7 +208,7 @@ class ModelRunner:
         device = str(self.device)
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
-        return Handshake(self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
+        return Handshake(self.model_id, self.vocab_size, self.num_kv_layers, self.num_kv_heads, self.head_dim,
                          str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
                          self.swap.num_blocks,
                          self.max_model_len, device, eos_ids, sliding_window=self.sliding_window,
@@ -337,7 +349,8 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend,
-            state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None)
+            state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None,
+            kv_slabs=self.kv_slabs)
         if not self.backend.triton:   # the CPU kernel's rows, once for every layer of the step
             if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
                 ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,

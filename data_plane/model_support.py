@@ -98,8 +98,8 @@ def head_dim(config) -> int:
 
 
 def kv_heads(config) -> int:
-    """The KV heads of each layer of the pool; 1 for a model no layer of which attends (Mamba2): its pool of
-    one value per token only stands for the tokens the control plane's blocks count."""
+    """The KV heads of each layer of the pool; 1 for a model no layer of which attends (Mamba2), whose pool
+    has no layer: its blocks only stand for the tokens the control plane counts."""
     if not attention_layers(config):
         return 1
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -1,6 +1,6 @@
 """The CPU swap pool and the bulk copies between it and the device pool.
 
-Both pools share one layout, [layers, K/V, blocks, block_size, kv_heads, head_dim], so moving a set
+Both pools share one layout, [attention layers, K/V, blocks, block_size, kv_heads, head_dim], so moving a set
 of blocks is one gather and one scatter over the block dimension for all layers at once (not one
 copy per block): on CUDA the gather runs on the GPU, crosses PCIe once into pinned memory, and is
 scattered there; on CPU it is two memory copies.

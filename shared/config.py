@@ -34,7 +34,8 @@ class ConfigError(ValueError):
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    """Bytes of one KV block across all layers, K and V (the pool layout of data_plane/kv_pool.py)."""
+    """Bytes of one KV block across `num_layers` layers, K and V (the pool layout of data_plane/kv_pool.py:
+    the layers that attend, not the state layers of a hybrid model)."""
     return num_layers * 2 * block_size * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 

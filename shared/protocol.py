@@ -104,7 +104,8 @@ class Hello:
 class Handshake:
     model_id: str            # what the data plane loaded (path or name)
     vocab_size: int          # rows of the LM head: token ids must be below this
-    num_layers: int          # transformer layers, each with its own K and V cache
+    num_layers: int          # layers with a K and V cache in the pool: the attention layers (a state
+                             # layer has none; 0 for Mamba), so block bytes computed from it are the pool's
     num_kv_heads: int        # KV heads per layer (GQA groups)
     head_dim: int            # size of one head
     dtype: str               # "float32" | "bfloat16" | "float16": model and KV cache dtype

@@ -49,6 +49,9 @@ def test_forks_copy_the_state_and_equal_samples_recomputed_from_scratch(runner):
     got = asyncio.run(run_all(forked, [(prompt, params)]))[0]
     copies = [c for plan in client.plans for c in plan.state_copies]
     assert len(copies) == 2 and len({dst for _, dst in copies}) == 2       # each child its own slot
+    # the prompt's last block is shared and partly filled: each child writes into a copy of it (the KV pool's
+    # copy-on-write; Mamba's pool has no slab, and the copy moves nothing)
+    assert len([c for plan in client.plans for c in plan.copies]) == 2
     assert [s.num_computed_tokens for plan in client.plans for s in plan.new_seqs] == [0, 19, 19]
     assert_pool_clean(forked)
     # three slots, taken by the parent and a prompt of another request: no child can fork, each waits and
