@@ -354,7 +354,7 @@ class ModelRunner:
         if not self.backend.triton:   # the CPU kernel's rows, once for every layer of the step
             if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
                 ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,
-                                                           ctx.seq_lens, [])
+                                                           ctx.seq_lens, [], ctx.seq_lens)
             else:
                 ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]

@@ -42,6 +42,15 @@ def use_triton(device: torch.device) -> bool:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def torch_sdpa_lanes(dtype: torch.dtype) -> int:
+    """The lanes of torch's CPU vectors (16 with AVX-512, 8 with AVX2), whose flash-attention kernel computes
+    transformers' bfloat16 SDPA: the C++ kernel then follows its steps for bfloat16 rows (kernels/cpu/
+    paged_decode.cpp); 0 (the kernel's own order) for float32, or where torch's vectors are other."""
+    if dtype != torch.bfloat16:
+        return 0
+    return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
 @dataclass(frozen=True)
 class Backend:
     """Which implementation serves the attention and cache ops on one device and dtype, chosen once at
@@ -50,6 +59,7 @@ class Backend:
     dtype: torch.dtype
     triton: bool
     kernel: object | None = None   # the C++ module (kernels/cpu) when it serves this device and dtype
+    sdpa_lanes: int = 0            # > 0: the kernel's bfloat16 rows in torch's SDPA order (torch_sdpa_lanes)
 
     def describe(self) -> str:
         """The choice in words, for the start-up log."""
@@ -81,14 +91,7 @@ def choose(device: torch.device, dtype: torch.dtype, triton: bool | None = None)
     kernel = None
     if not triton and device.type == "cpu" and dtype in KERNEL_DTYPES:
         kernel = cpu_kernels.load()
-    return Backend(device.type, dtype, triton, kernel)
-
-
-def cpu_kernel_for(device: torch.device, dtype: torch.dtype):
-    """The C++ kernel module when it serves attention for this device and dtype and Triton is not chosen,
-    else None: a caller that asks once at start (the lean forward) can then call the kernel directly,
-    without this module's per-call checks and dispatch."""
-    return choose(device, dtype).kernel
+    return Backend(device.type, dtype, triton, kernel, torch_sdpa_lanes(dtype) if kernel is not None else 0)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -169,7 +172,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kernel = backend.serves_kernel(query, k_cache)
     if kernel is not None:
         return paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, work=kernel_rows, **variant)
+                                   scale, work=kernel_rows, lanes=backend.sdpa_lanes, **variant)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len, **variant)
 
@@ -191,6 +194,9 @@ class KernelRows:
     tables: torch.Tensor    # int32 [R, max_blocks]: the block table of row r's sequence
     lens: torch.Tensor      # int32 [R]: the positions row r attends to, its own included
     rest: list[int]         # sequences whose query runs are longer: the reference's
+    # int32 [R]: the context of row r's sequence after the step: the keys of the one call in which
+    # transformers computes that row (a prompt's rows in one call over the prompt, a decode row alone)
+    ends: torch.Tensor | None = None
 
 
 def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -204,21 +210,23 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     # token t of sequence s sits at position seq_lens[s] - (end of s - t): it sees that many + 1
     lens = seq_lens.long().index_select(0, seq) - starts[1:].index_select(0, seq) + token + 1
     return KernelRows(token.contiguous(), block_tables.to(torch.int32).index_select(0, seq).contiguous(),
-                      lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist())
+                      lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist(),
+                      seq_lens.to(torch.int32).index_select(0, seq).contiguous())
 
 
 def paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
                         sliding_window=None, softcap=None, sinks=None, alibi=None, chunk=None,
-                        work: KernelRows | None = None):
+                        work: KernelRows | None = None, lanes: int = 0):
     """The kernel's rows (decode rows and short prompt runs) straight from the blocks; longer prompt
-    runs through the reference's causal SDPA over the gathered context."""
+    runs through the reference's causal SDPA over the gathered context. `lanes` > 0: bfloat16 rows in
+    torch's SDPA order (Backend.sdpa_lanes)."""
     out = torch.empty_like(query)
     work = kernel_rows(query_start_loc, seq_lens, block_tables) if work is None else work
     if work.tokens.numel():
         # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(), work.tables, work.lens,
                             work.tokens, float(scale), int(sliding_window or 0), float(softcap or 0.0), sinks,
-                            alibi, int(chunk or 0))
+                            alibi, int(chunk or 0), work.ends if lanes else None, lanes)
     if work.rest:
         start_list, seq_len_list = query_start_loc.tolist(), seq_lens.tolist()
         for s in work.rest:

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -161,6 +162,9 @@ struct Shape {
   int64_t chunk;    // 0: none
   const float* alibi = nullptr;   // [heads] slopes, or none
   const float* sinks = nullptr;   // [heads] logits, or none
+  // bfloat16 in torch's SDPA order (see below): per row the keys of transformers' call, and torch's lanes
+  const int32_t* ends = nullptr;
+  int64_t lanes = 0;              // 0: this kernel's own order
 };
 
 // the first position a query at `last` sees: within its window and its chunk
@@ -190,14 +194,126 @@ inline float finish_scores(const Shape& sh, float* s, int64_t len, int64_t head,
   return 1.f / sum;
 }
 
+// --- bfloat16 as transformers computes it on a CPU -------------------------------------------------
+// In bfloat16, transformers' SDPA on a CPU runs torch's flash-attention kernel, whose weights differ from
+// the exactly rounded ones in one bfloat16 step in about a third of the outputs: it rounds the softmax's
+// numerators to bfloat16 before they weigh the value rows, and takes them from a fast exponential. Where
+// the caller asks (Shape::ends), a row follows the same steps, so that a served bfloat16 model gives
+// transformers' results, not merely close ones: the scores q.k in float32, times the scale; per block of
+// 512 of the call's keys (transformers' call: a prompt's length for a prompt row, the context for a decode
+// row) the running maximum; exp(s - max) by the fast exponential for whole vectors of `lanes` keys and
+// by expf for the rest of the block; their sum per lane, the lanes added pairwise (halving), then the
+// rest in order; an earlier block's sums and weighted values rescaled by exp(old max - new max); the
+// numerators rounded to bfloat16; the output multiplied by 1 / sum. Only the float32 sums of the two
+// products (q.k, and the weighted values) may add in another order: rarely a different rounded result.
+constexpr int64_t kSdpaBlock = 512;
+
+// bits of the float32 constants of torch's fast exponential (Vectorized<float>::fexp_u20, after Malossi
+// et al., "Fast Exponential Computation on SIMD Architectures"): 2^(x log2 e), the fraction's power of
+// two corrected by a cubic, the result written straight into the exponent and mantissa bits
+inline float float_of_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+const float kFastLog2e = float_of_bits(0x3fb8aa3bu), kFastLow = float_of_bits(0xc2aeac50u),
+            kFastHigh = float_of_bits(0x42b17218u);
+constexpr float kFast0 = 0.00010703434948458272f, kFast1 = 0.30354260500649682f, kFast2 = -0.22433836478672356f,
+                kFast3 = -0.079204240219773236f, kTwo23 = 8388608.0f, kTwo23x127 = 8388608.0f * 127.0f;
+
+inline float fast_exp(float x) {
+  if (x < kFastLow) return 0.f;
+  if (x > kFastHigh) return std::numeric_limits<float>::infinity();
+  if (x != x) return x;
+  const float y = x * kFastLog2e;
+  const float f = y - std::floor(y);
+  float r = std::fma(f, kFast3, kFast2);
+  r = std::fma(f, r, kFast1);
+  r = std::fma(f, r, kFast0);
+  const float t = std::fma(kTwo23, y - r, kTwo23x127);
+  return float_of_bits(static_cast<uint32_t>(static_cast<int32_t>(t)));   // truncated, as cvttps does
+}
+
+#ifdef PAGEDSERVE_AVX512
+// the same, sixteen at once (each lane's value equals fast_exp's)
+inline __m512 fast_exp16(__m512 x) {
+  const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kFastLow), _CMP_LT_OS);
+  const __mmask16 high = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kFastHigh), _CMP_GT_OS);
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(kFastLog2e));
+  const __m512 f = _mm512_sub_ps(y, _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  __m512 r = _mm512_fmadd_ps(f, _mm512_set1_ps(kFast3), _mm512_set1_ps(kFast2));
+  r = _mm512_fmadd_ps(f, r, _mm512_set1_ps(kFast1));
+  r = _mm512_fmadd_ps(f, r, _mm512_set1_ps(kFast0));
+  const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(kTwo23), _mm512_sub_ps(y, r), _mm512_set1_ps(kTwo23x127));
+  __m512i bits = _mm512_cvttps_epi32(t);
+  bits = _mm512_mask_mov_epi32(bits, low, _mm512_setzero_si512());
+  bits = _mm512_mask_mov_epi32(bits, high, _mm512_set1_epi32(0x7F800000));
+  return _mm512_castsi512_ps(bits);
+}
+#endif
+
+// in place: s[i] = fast_exp(s[i] - m) for i < n
+inline void fast_exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(s + i, fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+#endif
+  for (; i < n; ++i) s[i] = fast_exp(s[i] - m);
+}
+
+// One query head's scores q.k over positions 0 .. len - 1 of a call of `end` keys become its bfloat16
+// numerators, in place, in torch's steps (above); rescale[b] is what block b (b >= 1) multiplies the
+// value sums of the blocks before it by. Returns 1 / the denominator.
+inline float sdpa_weights(float* s, int64_t len, int64_t end, float scale, int64_t lanes, float* rescale) {
+  float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t n = 0, b = 0; n < len; n += kSdpaBlock, ++b) {
+    const int64_t stop = std::min(n + kSdpaBlock, len);                       // what this row sees of the block
+    const int64_t vectors = n + std::min(kSdpaBlock, end - n) / lanes * lanes;  // whole vectors of the call's block
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t i = n; i < stop; ++i) {
+      s[i] *= scale;
+      block_max = std::max(block_max, s[i]);
+    }
+    const float new_max = std::max(max, block_max);
+    const int64_t fast_end = std::min(stop, vectors);
+    fast_exp_shifted(s + n, fast_end - n, new_max);
+    float lane[16] = {0.f};
+    for (int64_t i = n; i < fast_end; ++i) lane[(i - n) % lanes] += s[i];
+    for (int64_t half = lanes / 2; half >= 1; half /= 2)
+      for (int64_t k = 0; k < half; ++k) lane[k] += lane[k + half];
+    float block_sum = lane[0];
+    for (int64_t i = fast_end; i < stop; ++i) {
+      s[i] = std::exp(s[i] - new_max);
+      block_sum += s[i];
+    }
+    const float factor = std::exp(max - new_max);   // 0 for the first block
+    const float carried = factor * sum;
+    sum = block_sum + carried;
+    rescale[b] = factor;
+    max = new_max;
+    for (int64_t i = n; i < stop; ++i) s[i] = pagedserve::rounded<pagedserve::bf16>(s[i]);
+  }
+  return 1.f / sum;
+}
+
+// whether a row of this call is computed in torch's SDPA order
+template <typename T>
+inline bool sdpa_order(const Shape& sh) {
+  return std::is_same<T, pagedserve::bf16>::value && sh.ends != nullptr && sh.lanes > 0 && sh.window == 0 &&
+         sh.softcap == 0.f && sh.chunk == 0 && sh.alibi == nullptr && sh.sinks == nullptr;
+}
+
 // One item: token row `tok`, KV heads [h0, h1). `scores` and `acc` are the calling thread's
 // scratch buffers. A position's K (or V) row holds every KV head side by side, so walking the
 // heads of a position together reads the block front to back.
 template <bool kVector, typename T>
 void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
+                const int32_t* table, int64_t full_len, int64_t end, int64_t tok, int64_t h0, int64_t h1,
                 std::vector<float>& scores, std::vector<float>& acc) {
   const int64_t bs = sh.block_size, D = sh.head_dim, G = sh.group;
+  const bool sdpa = sdpa_order<T>(sh);   // (then begin is 0: no window, no chunk)
   const int64_t nq = (h1 - h0) * G;           // query heads of this item
   // the query sits at full_len - 1; with a window or a chunk it sees positions [begin, full_len) only
   const int64_t begin = first_visible(sh, full_len - 1);
@@ -214,13 +330,19 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     for (int64_t h = h0; h < h1; ++h) {
       const float* k = as_float(row + h * D, row_f.data(), D);
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
-        scores[j * len + p] = sh.scale * dot_any<kVector>(qj[j], k, D);
+        scores[j * len + p] = sdpa ? dot_any<kVector>(qj[j], k, D) : sh.scale * dot_any<kVector>(qj[j], k, D);
     }
   });
   float inv_sum[64];
+  const int64_t blocks = sdpa ? (len + kSdpaBlock - 1) / kSdpaBlock : 0;
+  std::vector<float> rescale(nq * blocks);
   for (int64_t j = 0; j < nq; ++j)
-    inv_sum[j] = finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
+    inv_sum[j] = sdpa ? sdpa_weights(scores.data() + j * len, len, end, sh.scale, sh.lanes, rescale.data() + j * blocks)
+                      : finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
   walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
+    if (sdpa && p > 0 && p % kSdpaBlock == 0)
+      for (int64_t j = 0; j < nq; ++j)
+        for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= rescale[j * blocks + p / kSdpaBlock];
     for (int64_t h = h0; h < h1; ++h) {
       const float* v = as_float(row + h * D, row_f.data(), D);
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
@@ -260,13 +382,16 @@ inline float exp_shifted_sum16(float* s, int64_t n, float m) {
 // (NV loads, C * NV FMAs).
 template <int NV, int C, typename T>
 void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                    const int32_t* table, int64_t begin, int64_t full_len, int64_t tok, int64_t h, int64_t j0,
-                    float* scores) {
+                    const int32_t* table, int64_t begin, int64_t full_len, int64_t end, int64_t tok, int64_t h,
+                    int64_t j0, float* scores, float* rescale) {
   const int64_t len = full_len - begin;
+  const bool sdpa = sdpa_order<T>(sh);   // (then begin is 0)
+  // the scale goes into the query, or after the dot products in torch's SDPA order
+  const __m512 qscale = _mm512_set1_ps(sdpa ? 1.f : sh.scale);
   __m512 qv[C][NV];
   for (int c = 0; c < C; ++c) {
     const T* qh = q + tok * sh.q_tok + (h * sh.group + j0 + c) * sh.q_head;
-    for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(pagedserve::load16(qh + 16 * v), _mm512_set1_ps(sh.scale));
+    for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(pagedserve::load16(qh + 16 * v), qscale);
   }
   // scores[c * len + p] = <scale * q_c, k_p>
   walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
@@ -280,12 +405,19 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     }
   }, h * sh.head_dim, sh.head_dim);
   float inv_sum[C];
+  const int64_t blocks = (len + kSdpaBlock - 1) / kSdpaBlock;
   for (int c = 0; c < C; ++c)
-    inv_sum[c] = finish_scores(sh, scores + c * len, len, h * sh.group + j0 + c, exp_shifted_sum16);
+    inv_sum[c] = sdpa ? sdpa_weights(scores + c * len, len, end, sh.scale, sh.lanes, rescale + c * blocks)
+                      : finish_scores(sh, scores + c * len, len, h * sh.group + j0 + c, exp_shifted_sum16);
   __m512 acc[C][NV];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
   walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+    if (sdpa && p > 0 && p % kSdpaBlock == 0)
+      for (int c = 0; c < C; ++c) {
+        const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
+        for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
+      }
     const T* val = row + h * sh.head_dim;
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = pagedserve::load16(val + 16 * v);
@@ -303,20 +435,23 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
 
 template <int NV, typename T>
 void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                   const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
+                   const int32_t* table, int64_t full_len, int64_t end, int64_t tok, int64_t h0, int64_t h1,
                    std::vector<float>& scores) {
   constexpr int kChunk = NV <= 4 ? 4 : 2;   // query heads per pass: C * NV accumulators in registers
   const int64_t begin = first_visible(sh, full_len - 1);
-  scores.resize(kChunk * (full_len - begin));
+  const int64_t len = full_len - begin, blocks = (len + kSdpaBlock - 1) / kSdpaBlock;
+  // the scores of a pass, then (torch's SDPA order) each block's rescaling factors
+  scores.resize(kChunk * (len + blocks));
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t j = 0; j < sh.group;) {
       const int64_t c = std::min<int64_t>(kChunk, sh.group - j);
       float* sc = scores.data();
+      float* sf = sc + kChunk * len;
       switch (c) {
-        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
-        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
-        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
-        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, tok, h, j, sc); break;
+        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
+        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
+        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
+        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
       }
       j += c;
     }
@@ -325,14 +460,14 @@ void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
 // the AVX-512 path for head_dim 16 NV (NV = 1..8); false: not handled here
 template <typename T>
 bool decode_avx512(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                   const int32_t* table, int64_t full_len, int64_t tok, int64_t h0, int64_t h1,
+                   const int32_t* table, int64_t full_len, int64_t end, int64_t tok, int64_t h0, int64_t h1,
                    std::vector<float>& scores) {
   switch (sh.head_dim) {
-    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
-    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, tok, h0, h1, scores); return true;
+    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
+    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
+    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
+    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
+    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
     default: return false;
   }
 }
@@ -350,13 +485,13 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
     std::vector<float> scores, acc;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
-      const int64_t tok = toks[r], len = lens[r];
+      const int64_t tok = toks[r], len = lens[r], end = sh.ends != nullptr ? sh.ends[r] : len;
       const int32_t* table = tables + r * sh.max_blocks;
 #ifdef PAGEDSERVE_AVX512
-      if (decode_avx512(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores)) continue;
+      if (decode_avx512(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores)) continue;
 #endif
-      if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
-      else decode_one<false>(sh, q, kc, vc, o, table, len, tok, h0, h0 + heads_per_item, scores, acc);
+      if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores, acc);
+      else decode_one<false>(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores, acc);
     }
   });
 }
@@ -366,7 +501,8 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
                   int64_t window, double softcap, c10::optional<at::Tensor> sinks,
-                  c10::optional<at::Tensor> alibi, int64_t chunk) {
+                  c10::optional<at::Tensor> alibi, int64_t chunk, c10::optional<at::Tensor> ends,
+                  int64_t lanes) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
               v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
@@ -405,6 +541,13 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   sh.chunk = chunk;
   if (sinks.has_value()) sh.sinks = sinks->data_ptr<float>();
   if (alibi.has_value()) sh.alibi = alibi->data_ptr<float>();
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "paged_decode: lanes 0, 8 or 16");
+  if (ends.has_value()) {
+    TORCH_CHECK(ends->scalar_type() == at::kInt && ends->is_contiguous() && ends->dim() == 1 &&
+                ends->size(0) == tokens.size(0), "paged_decode: ends is int32 [R]");
+    sh.ends = ends->data_ptr<int32_t>();
+    sh.lanes = lanes;
+  }
   const int64_t num_rows = tokens.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -415,6 +558,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
     const int64_t len = lens[r];
     const int64_t used = (len + sh.block_size - 1) / sh.block_size;
     TORCH_CHECK(len >= 1 && used <= sh.max_blocks, "paged_decode: row ", r, " has bad length ", len);
+    TORCH_CHECK(sh.ends == nullptr || sh.ends[r] >= len, "paged_decode: row ", r, " ends before its length");
     for (int64_t b = 0; b < used; ++b) {
       const int32_t blk = tables[r * sh.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");

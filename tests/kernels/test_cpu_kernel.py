@@ -61,19 +61,83 @@ def test_mixed_batch_short_prompt_runs_in_kernel_long_ones_in_reference(kernel, 
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
-def test_bfloat16_rows_are_the_float32_result_rounded_once(kernel, heads, kv_heads, head_dim):
-    # decode rows and short prompt runs over a bfloat16 pool: the kernel widens every value to float32,
-    # so its output is the float32 attention of the same (bfloat16) numbers, rounded once; SDPA in
-    # bfloat16 rounds its intermediate results and is further off
+def test_bfloat16_rows_in_the_kernels_own_order_are_the_float32_result_rounded_once(kernel, heads, kv_heads,
+                                                                                   head_dim):
+    # decode rows and short prompt runs over a bfloat16 pool, without torch's SDPA order (lanes 0): the kernel
+    # widens every value to float32, so its output is the float32 attention of the same (bfloat16) numbers,
+    # rounded once
     seq_lens, q_lens = [16, 40, 9, 130, 75], [1, 1, 9, 2, 1]
     batch = PagedBatch(seq_lens, q_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=16,
                        dtype=torch.bfloat16, device="cpu", seed=5)
-    out = attention.paged_attention(*batch.args())
+    own = attention.Backend("cpu", torch.bfloat16, False, kernel, sdpa_lanes=0)
+    out = attention.paged_attention(*batch.args(), backend=own)
     assert out.dtype == torch.bfloat16
     expected = dense_attention(batch).to(torch.bfloat16)   # float32 over the same bfloat16 numbers
     # one rounding apart at most: float32 sums in another order may round to the neighbouring bfloat16
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-5, rtol=2 ** -7)
     assert (out == expected).float().mean() > 0.95
+
+
+def _bf16_pool(keys, values, block_size=16):
+    blocks = -(-keys.shape[0] // block_size)
+    k_cache = torch.zeros(blocks * block_size, *keys.shape[1:], dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:keys.shape[0]], v_cache[:keys.shape[0]] = keys, values
+    shape = (blocks, block_size, *keys.shape[1:])
+    return k_cache.view(shape), v_cache.view(shape), torch.arange(blocks, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("context", [5, 40, 300, 600, 1100])
+def test_bfloat16_decode_rows_follow_torchs_sdpa_as_transformers_calls_it(kernel, context):
+    # transformers' bfloat16 SDPA on a CPU (torch's flash kernel) rounds the softmax's numerators to bfloat16
+    # and takes them from a fast exponential, over blocks of 512 keys: the default bfloat16 backend follows
+    # it (kernels/cpu/paged_decode.cpp); contexts past one and two of those blocks
+    lanes = attention.torch_sdpa_lanes(torch.bfloat16)
+    if not lanes:
+        pytest.skip(f"torch's CPU vectors here ({torch.backends.cpu.get_cpu_capability()}) are not AVX2 or AVX-512")
+    gen = torch.Generator().manual_seed(context)
+    heads, kv_heads, dim = 9, 3, 64
+    keys, values = (torch.randn(context, kv_heads, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(1, heads, dim, generator=gen).to(torch.bfloat16)
+    k_cache, v_cache, table = _bf16_pool(keys, values)
+    lens = torch.tensor([context], dtype=torch.int32)
+    args = (query, k_cache, v_cache, table[None], lens, torch.tensor([0, 1], dtype=torch.int32), dim ** -0.5, 1)
+    chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
+    assert chosen.sdpa_lanes == lanes
+    got = attention.paged_attention(*args, backend=chosen)
+    own = attention.paged_attention(*args, backend=attention.Backend("cpu", torch.bfloat16, False, kernel))
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1).repeat_interleave(group, 0)[None],
+        values.transpose(0, 1).repeat_interleave(group, 0)[None], scale=dim ** -0.5)[0].transpose(0, 1)
+    # the two products' float32 sums may add in another order than oneDNN's: rarely one bfloat16 step
+    assert (got == expected).float().mean() > 0.99
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=2 ** -7)
+    if context > 5:   # (five keys make few ties to break)
+        assert (own == expected).float().mean() < 0.9   # the kernel's own order is a different result
+
+
+def test_bfloat16_prompt_rows_follow_torchs_causal_sdpa_over_the_prompt(kernel):
+    # a 51-token prompt computed as one row per token (as prompt runs up to KERNEL_MAX_QUERY are): each row
+    # follows transformers' one call over the whole prompt (its vectors of 16 keys counted over 51, the
+    # keys after the row masked)
+    lanes = attention.torch_sdpa_lanes(torch.bfloat16)
+    if not lanes:
+        pytest.skip(f"torch's CPU vectors here ({torch.backends.cpu.get_cpu_capability()}) are not AVX2 or AVX-512")
+    gen = torch.Generator().manual_seed(51)
+    heads, kv_heads, dim, tokens = 9, 3, 64, 51
+    keys, values = (torch.randn(tokens, kv_heads, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16)
+    k_cache, v_cache, table = _bf16_pool(keys, values)
+    got = attention.paged_attention(query, k_cache, v_cache, table[None], torch.tensor([tokens], dtype=torch.int32),
+                                    torch.tensor([0, tokens], dtype=torch.int32), dim ** -0.5, tokens,
+                                    backend=attention.choose(torch.device("cpu"), torch.bfloat16))
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.transpose(0, 1).repeat_interleave(group, 0)[None],
+        values.transpose(0, 1).repeat_interleave(group, 0)[None], scale=dim ** -0.5, is_causal=True)[0].transpose(0, 1)
+    assert (got == expected).float().mean() > 0.99
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=2 ** -7)
 
 
 def test_bfloat16_write_kv_copies_rows_bit_for_bit(kernel):
