@@ -363,7 +363,8 @@ def compare(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, list[s
 def agreement(ref, outputs, scored=None) -> str:
     """Against the reference's (tokens, log-probs): the tokens equal up to each request's first
     divergence (summed), the requests identical, and (with `scored`, that system's (tokens, log-probs))
-    the largest |log-prob difference| of the chosen tokens before its first divergence."""
+    the largest |log-prob difference| of the chosen tokens before its first divergence, and their mean (the
+    largest alone grows with the tokens compared: a system that agrees longer is compared at more places)."""
     equal = sum(first_divergence(r, o) for (r, _), o in zip(ref, outputs))
     identical = sum(r == o for (r, _), o in zip(ref, outputs))
     total = sum(len(r) for r, _ in ref)
@@ -371,7 +372,7 @@ def agreement(ref, outputs, scored=None) -> str:
     if scored is not None:
         diffs = [abs(a - b) for (rt, rl), (st, sl) in zip(ref, scored)
                  for a, b in list(zip(rl, sl))[:first_divergence(rt, st)]]
-        line += f", max |logprob diff| {max(diffs, default=0.0):.4f}"
+        line += f", max |logprob diff| {max(diffs, default=0.0):.4f}, mean {sum(diffs) / max(len(diffs), 1):.4f}"
     return line
 
 
