@@ -22,7 +22,10 @@ from ops import attention  # noqa: E402
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-def compare(queries: int, keys: int, seed: int) -> tuple[float, float, float]:
+def sdpa_case(queries: int, keys: int, seed: int) -> tuple[tuple, torch.Tensor]:
+    """Random bfloat16 attention of `queries` query tokens (the last ones, causal) over `keys` keys in a paged
+    pool: the arguments of ops.attention.paged_attention (before `backend`), and transformers' result for it
+    (SDPA over the same keys, the KV heads repeated as transformers repeats them)."""
     gen = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(keys, KV_HEADS, DIM, generator=gen).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(queries, HEADS, DIM, generator=gen).to(torch.bfloat16)
@@ -33,13 +36,18 @@ def compare(queries: int, keys: int, seed: int) -> tuple[float, float, float]:
     args = (q, k_cache.view(shape), v_cache.view(shape), torch.arange(blocks, dtype=torch.int32)[None],
             torch.tensor([keys], dtype=torch.int32), torch.tensor([0, queries], dtype=torch.int32), DIM ** -0.5,
             queries)
-    chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
-    own = attention.Backend("cpu", torch.bfloat16, False, chosen.kernel, sdpa_lanes=0)
     group = HEADS // KV_HEADS
     sdpa = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(group, 0)[None],
         v.transpose(0, 1).repeat_interleave(group, 0)[None], scale=DIM ** -0.5,
         is_causal=queries > 1)[0].transpose(0, 1)
+    return args, sdpa
+
+
+def compare(queries: int, keys: int, seed: int) -> tuple[float, float, float]:
+    args, sdpa = sdpa_case(queries, keys, seed)
+    chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
+    own = attention.Backend("cpu", torch.bfloat16, False, chosen.kernel, sdpa_lanes=0)
     ordered, plain = (attention.paged_attention(*args, backend=b) for b in (chosen, own))
     ulp = torch.exp2(torch.floor(torch.log2(sdpa.float().abs().clamp_min(1e-30))) - 7)   # a bfloat16 step there
     steps = ((ordered.float() - sdpa.float()).abs() / ulp).max().item()

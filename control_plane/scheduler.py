@@ -409,7 +409,7 @@ class Scheduler:
                 needed = self.bm.group_blocks([s.token_ids for s in group], budget)
                 # with nothing running the pool is as free as it gets: waiting would never end (the count
                 # is an estimate: a window frees blocks as the group catches up)
-                if needed + self.watermark_blocks > self.bm.num_free_blocks() and self.running or \
+                if (needed + self.watermark_blocks > self.bm.num_free_blocks() and self.running) or \
                         len(group) > self.bm.num_free_slots():
                     break
             seq = head

@@ -187,7 +187,7 @@ class LlamaForward:
                                         ctx.slot_mapping)
                 out = torch.empty_like(q)
                 kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling, 0, 0.0,
-                                    None, None, 0, rows.ends if self.sdpa_lanes else None, self.sdpa_lanes)
+                                    None, None, 0, rows.ends, self.sdpa_lanes)
             else:
                 out = self._attention(layer, qkv, cos, sin, k_cache, v_cache, ctx)
             x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size)), *self.post_norms[index])

@@ -226,7 +226,7 @@ def paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens,
         # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(), work.tables, work.lens,
                             work.tokens, float(scale), int(sliding_window or 0), float(softcap or 0.0), sinks,
-                            alibi, int(chunk or 0), work.ends if lanes else None, lanes)
+                            alibi, int(chunk or 0), work.ends, lanes)
     if work.rest:
         start_list, seq_len_list = query_start_loc.tolist(), seq_lens.tolist()
         for s in work.rest:

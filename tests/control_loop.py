@@ -53,7 +53,8 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     seqs = [Sequence(f"r{i}", list(p), len(p), params[i], params[i].spec([]), arrival_time=float(i))
             for i, p in enumerate(prompts)]
     by_id = {s.seq_id: s for s in seqs}
-    children: list[tuple[int, Sequence]] = []
+    prompt_of = {s.seq_id: i for i, s in enumerate(seqs)}   # a sample's prompt index, forks included
+    children: list[Sequence] = []
     logprobs: dict[int, list[float]] = {s.seq_id: [] for s in seqs}
     for s in seqs:
         sched.add(s)
@@ -74,7 +75,8 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
                 child = Sequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
                                  seq.params.spec([], draw=j), sample_index=j, arrival_time=seq.arrival_time)
                 by_id[child.seq_id], logprobs[child.seq_id] = child, []
-                children.append((int(seq.request_id[1:]), child))
+                prompt_of[child.seq_id] = prompt_of[seq_id]
+                children.append(child)
                 forked.append(Fork(seq, child))
                 streams.append(child)
             for stream, tok in zip(streams, seq_draws):
@@ -89,4 +91,4 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     assert bm.cpu_usage() == 0, "CPU blocks leaked"
     return Played([s.output_token_ids for s in seqs], [logprobs[s.seq_id] for s in seqs], sched.num_preemptions,
                   sched.num_swap_preemptions, bm.prefix_hits, bm.num_cow_copies, bm.num_window_freed, peak,
-                  [(i, c.output_token_ids, logprobs[c.seq_id]) for i, c in children])
+                  [(prompt_of[c.seq_id], c.output_token_ids, logprobs[c.seq_id]) for c in children])

@@ -252,6 +252,29 @@ inline __m512 fast_exp16(__m512 x) {
 }
 #endif
 
+// The passes of one block over a row's scores, each sixteen at a time where the build has AVX-512, the
+// same values either way (elementwise, or a maximum).
+
+// in place: s[i] *= scale for i < n; returns their maximum
+inline float scale_and_max(float* s, int64_t n, float scale) {
+  float max = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  __m512 vmax = _mm512_set1_ps(max);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(s + i, v);
+    vmax = _mm512_max_ps(vmax, v);
+  }
+  max = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < n; ++i) {
+    s[i] *= scale;
+    max = std::max(max, s[i]);
+  }
+  return max;
+}
+
 // in place: s[i] = fast_exp(s[i] - m) for i < n
 inline void fast_exp_shifted(float* s, int64_t n, float m) {
   int64_t i = 0;
@@ -263,45 +286,33 @@ inline void fast_exp_shifted(float* s, int64_t n, float m) {
   for (; i < n; ++i) s[i] = fast_exp(s[i] - m);
 }
 
+// the sum of s[0 .. n) as torch's vectors of `lanes` add it: lane k sums s[k], s[k + lanes], ... in order,
+// then the lanes are added pairwise, halving
+inline float lane_sum(const float* s, int64_t n, int64_t lanes) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
 #ifdef PAGEDSERVE_AVX512
-// sdpa_weights' block for sixteen lanes, in registers: the same values, the same sums in the same order
-// (a lane's sum is its register lane; masked lanes add +0)
-inline float sdpa_block16(float* s, int64_t n, int64_t stop, int64_t fast_end, float scale, float max,
-                          float* block_sum_out) {
-  const __m512 sv = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 vmax = neg_inf;
-  for (int64_t i = n; i < stop; i += 16) {
-    const __mmask16 m = i + 16 <= stop ? __mmask16(0xFFFF) : __mmask16((1u << (stop - i)) - 1u);
-    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), sv);
-    _mm512_mask_storeu_ps(s + i, m, v);
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, v);
+  if (lanes == 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(s + i));
+    _mm512_storeu_ps(lane, acc);
   }
-  const float new_max = std::max(max, _mm512_reduce_max_ps(vmax));
-  const __m512 mv = _mm512_set1_ps(new_max);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = n; i < fast_end; i += 16) {
-    const __mmask16 m = i + 16 <= fast_end ? __mmask16(0xFFFF) : __mmask16((1u << (fast_end - i)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(m, fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mv)));
-    _mm512_mask_storeu_ps(s + i, m, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  float lane[16];
-  _mm512_storeu_ps(lane, acc);
-  for (int64_t half = 8; half >= 1; half /= 2)
-    for (int64_t k = 0; k < half; ++k) lane[k] += lane[k + half];
-  float block_sum = lane[0];
-  for (int64_t i = fast_end; i < stop; ++i) {
-    s[i] = std::exp(s[i] - new_max);
-    block_sum += s[i];
-  }
-  for (int64_t i = n; i < stop; i += 16) {
-    const __mmask16 m = i + 16 <= stop ? __mmask16(0xFFFF) : __mmask16((1u << (stop - i)) - 1u);
-    _mm512_mask_storeu_ps(s + i, m, pagedserve::rounded16<pagedserve::bf16>(_mm512_maskz_loadu_ps(m, s + i)));
-  }
-  *block_sum_out = block_sum;
-  return new_max;
-}
 #endif
+  for (; i < n; ++i) lane[i % lanes] += s[i];
+  for (int64_t half = lanes / 2; half >= 1; half /= 2)
+    for (int64_t k = 0; k < half; ++k) lane[k] += lane[k + half];
+  return lane[0];
+}
+
+// in place: s[i] rounded to bfloat16 for i < n
+inline void round_to_bf16(float* s, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(s + i, pagedserve::rounded16<pagedserve::bf16>(_mm512_loadu_ps(s + i)));
+#endif
+  for (; i < n; ++i) s[i] = pagedserve::rounded<pagedserve::bf16>(s[i]);
+}
 
 // One query head's scores q.k over positions 0 .. len - 1 of a call of `end` keys become its bfloat16
 // numerators, in place, in torch's steps (above); rescale[b] is what block b (b >= 1) multiplies the
@@ -309,33 +320,12 @@ inline float sdpa_block16(float* s, int64_t n, int64_t stop, int64_t fast_end, f
 inline float sdpa_weights(float* s, int64_t len, int64_t end, float scale, int64_t lanes, float* rescale) {
   float max = -std::numeric_limits<float>::infinity(), sum = 0.f;
   for (int64_t n = 0, b = 0; n < len; n += kSdpaBlock, ++b) {
-    const int64_t stop = std::min(n + kSdpaBlock, len);                       // what this row sees of the block
-    const int64_t vectors = n + std::min(kSdpaBlock, end - n) / lanes * lanes;  // whole vectors of the call's block
-#ifdef PAGEDSERVE_AVX512
-    if (lanes == 16) {
-      float block_sum;
-      const float new_max = sdpa_block16(s, n, stop, std::min(stop, vectors), scale, max, &block_sum);
-      const float factor = std::exp(max - new_max);
-      const float carried = factor * sum;
-      sum = block_sum + carried;
-      rescale[b] = factor;
-      max = new_max;
-      continue;
-    }
-#endif
-    float block_max = -std::numeric_limits<float>::infinity();
-    for (int64_t i = n; i < stop; ++i) {
-      s[i] *= scale;
-      block_max = std::max(block_max, s[i]);
-    }
-    const float new_max = std::max(max, block_max);
-    const int64_t fast_end = std::min(stop, vectors);
+    const int64_t stop = std::min(n + kSdpaBlock, len);    // what this row sees of the block
+    // the whole vectors of the call's block take the fast exponential, the rest expf
+    const int64_t fast_end = std::min(stop, n + std::min(kSdpaBlock, end - n) / lanes * lanes);
+    const float new_max = std::max(max, scale_and_max(s + n, stop - n, scale));
     fast_exp_shifted(s + n, fast_end - n, new_max);
-    float lane[16] = {0.f};
-    for (int64_t i = n; i < fast_end; ++i) lane[(i - n) % lanes] += s[i];
-    for (int64_t half = lanes / 2; half >= 1; half /= 2)
-      for (int64_t k = 0; k < half; ++k) lane[k] += lane[k + half];
-    float block_sum = lane[0];
+    float block_sum = lane_sum(s + n, fast_end - n, lanes);
     for (int64_t i = fast_end; i < stop; ++i) {
       s[i] = std::exp(s[i] - new_max);
       block_sum += s[i];
@@ -345,7 +335,7 @@ inline float sdpa_weights(float* s, int64_t len, int64_t end, float scale, int64
     sum = block_sum + carried;
     rescale[b] = factor;
     max = new_max;
-    for (int64_t i = n; i < stop; ++i) s[i] = pagedserve::rounded<pagedserve::bf16>(s[i]);
+    round_to_bf16(s + n, stop - n);
   }
   return 1.f / sum;
 }

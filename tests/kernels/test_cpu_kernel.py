@@ -5,7 +5,9 @@ a build failure fails these tests instead of silently testing the fallback.
 """
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -78,13 +80,14 @@ def test_bfloat16_rows_in_the_kernels_own_order_are_the_float32_result_rounded_o
     assert (out == expected).float().mean() > 0.95
 
 
-def _bf16_pool(keys, values, block_size=16):
-    blocks = -(-keys.shape[0] // block_size)
-    k_cache = torch.zeros(blocks * block_size, *keys.shape[1:], dtype=torch.bfloat16)
-    v_cache = torch.zeros_like(k_cache)
-    k_cache[:keys.shape[0]], v_cache[:keys.shape[0]] = keys, values
-    shape = (blocks, block_size, *keys.shape[1:])
-    return k_cache.view(shape), v_cache.view(shape), torch.arange(blocks, dtype=torch.int32)
+def _sdpa_case(queries, keys, seed):
+    # bench/bf16_attention.py's cases: random bfloat16 attention in a paged pool, and transformers' result
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "bench"))
+    import bf16_attention
+    if not attention.torch_sdpa_lanes(torch.bfloat16):
+        pytest.skip(f"torch's CPU vectors here ({torch.backends.cpu.get_cpu_capability()}) are not AVX2 or AVX-512")
+    return bf16_attention.sdpa_case(queries, keys, seed)
 
 
 @pytest.mark.parametrize("context", [5, 40, 300, 600, 1100])
@@ -92,24 +95,11 @@ def test_bfloat16_decode_rows_follow_torchs_sdpa_as_transformers_calls_it(kernel
     # transformers' bfloat16 SDPA on a CPU (torch's flash kernel) rounds the softmax's numerators to bfloat16
     # and takes them from a fast exponential, over blocks of 512 keys: the default bfloat16 backend follows
     # it (kernels/cpu/paged_decode.cpp); contexts past one and two of those blocks
-    lanes = attention.torch_sdpa_lanes(torch.bfloat16)
-    if not lanes:
-        pytest.skip(f"torch's CPU vectors here ({torch.backends.cpu.get_cpu_capability()}) are not AVX2 or AVX-512")
-    gen = torch.Generator().manual_seed(context)
-    heads, kv_heads, dim = 9, 3, 64
-    keys, values = (torch.randn(context, kv_heads, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
-    query = torch.randn(1, heads, dim, generator=gen).to(torch.bfloat16)
-    k_cache, v_cache, table = _bf16_pool(keys, values)
-    lens = torch.tensor([context], dtype=torch.int32)
-    args = (query, k_cache, v_cache, table[None], lens, torch.tensor([0, 1], dtype=torch.int32), dim ** -0.5, 1)
+    args, expected = _sdpa_case(1, context, seed=context)
     chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
-    assert chosen.sdpa_lanes == lanes
+    assert chosen.sdpa_lanes == attention.torch_sdpa_lanes(torch.bfloat16)
     got = attention.paged_attention(*args, backend=chosen)
     own = attention.paged_attention(*args, backend=attention.Backend("cpu", torch.bfloat16, False, kernel))
-    group = heads // kv_heads
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1).repeat_interleave(group, 0)[None],
-        values.transpose(0, 1).repeat_interleave(group, 0)[None], scale=dim ** -0.5)[0].transpose(0, 1)
     # the two products' float32 sums may add in another order than oneDNN's: rarely one bfloat16 step
     assert (got == expected).float().mean() > 0.99
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=2 ** -7)
@@ -121,21 +111,8 @@ def test_bfloat16_prompt_rows_follow_torchs_causal_sdpa_over_the_prompt(kernel):
     # a 51-token prompt computed as one row per token (as prompt runs up to KERNEL_MAX_QUERY are): each row
     # follows transformers' one call over the whole prompt (its vectors of 16 keys counted over 51, the
     # keys after the row masked)
-    lanes = attention.torch_sdpa_lanes(torch.bfloat16)
-    if not lanes:
-        pytest.skip(f"torch's CPU vectors here ({torch.backends.cpu.get_cpu_capability()}) are not AVX2 or AVX-512")
-    gen = torch.Generator().manual_seed(51)
-    heads, kv_heads, dim, tokens = 9, 3, 64, 51
-    keys, values = (torch.randn(tokens, kv_heads, dim, generator=gen).to(torch.bfloat16) for _ in range(2))
-    query = torch.randn(tokens, heads, dim, generator=gen).to(torch.bfloat16)
-    k_cache, v_cache, table = _bf16_pool(keys, values)
-    got = attention.paged_attention(query, k_cache, v_cache, table[None], torch.tensor([tokens], dtype=torch.int32),
-                                    torch.tensor([0, tokens], dtype=torch.int32), dim ** -0.5, tokens,
-                                    backend=attention.choose(torch.device("cpu"), torch.bfloat16))
-    group = heads // kv_heads
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1).repeat_interleave(group, 0)[None],
-        values.transpose(0, 1).repeat_interleave(group, 0)[None], scale=dim ** -0.5, is_causal=True)[0].transpose(0, 1)
+    args, expected = _sdpa_case(51, 51, seed=51)
+    got = attention.paged_attention(*args, backend=attention.choose(torch.device("cpu"), torch.bfloat16))
     assert (got == expected).float().mean() > 0.99
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=2 ** -7)
 
