@@ -30,6 +30,15 @@ until the pool hands it out again, like any free block, so it can still serve a 
 prefix hit of k blocks needs only the blocks that a query at position k * block size reads: the
 blocks before them may be gone, and the new table gets placeholders for them (match_prefix).
 
+Layer groups: where the layers differ in how far back they read (GPT-OSS alternates sliding-window and
+full layers), the data plane splits them into groups, each with its reach (`group_reaches`: 0 for the whole
+context; data_plane/kv_pool.py), and a sequence keeps a table per group. The tables are held interleaved,
+as one list: entry i * G + g is group g's block i (G groups). Everything above holds per group: a window
+group's dead blocks become placeholders while the full groups keep theirs, a copy-on-write copies each
+group's shared block, and a prefix hit needs every group's blocks for it (each group's blocks are cached
+under its own keys). With one group (`sliding_window`, 0 or the window of every layer) the table is the
+group's.
+
 State slots: with `num_state_slots` (a model whose layers keep a per-sequence state), a sequence takes
 a slot when it gets its table (grow fails, changing nothing, when none is free) and gives it back in
 free(); a fork takes one for the child. Prefix caching is off for such a model: a cached block holds
@@ -64,11 +73,13 @@ class Growth:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0,
-                 sliding_window: int = 0, num_state_slots: int = 0):
-        assert sliding_window >= 0, f"sliding_window must be >= 0 (0: some layer sees everything), got {sliding_window}"
+                 sliding_window: int = 0, num_state_slots: int = 0, group_reaches: list[int] | None = None):
+        # per layer group, the positions its layers see, their own included (0: all); one group without
+        # `group_reaches`, whose layers see at most `sliding_window` positions
+        self.reaches = list(group_reaches) if group_reaches else [sliding_window]
+        assert all(r >= 0 for r in self.reaches), f"reaches must be >= 0 (0: everything), got {self.reaches}"
+        self.num_groups = len(self.reaches)
         self.block_size = block_size
-        # every layer sees at most this many positions, its own included (0: some layer sees all)
-        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.cpu_tables: dict[int, list[Block]] = {}   # swapped-out sequences
@@ -77,7 +88,8 @@ class BlockManager:
         self.cpu_state_slots = StateSlots(num_state_slots) if num_state_slots and num_cpu_blocks else None
         self._state_swaps: tuple[list, list] = ([], [])   # (out, in) slot pairs not yet in a plan
         self.enable_prefix_caching = enable_prefix_caching and self.state_slots is None
-        # a None entry: a block that left the sliding window and went back to the pool
+        # a None entry: a block that left the sliding window and went back to the pool; with several groups,
+        # entry i * num_groups + g is group g's block i
         self.tables: dict[int, list[Block | None]] = {}
         # per sequence: (leading blocks already hashed, hash of the last of them)
         self._hashed: dict[int, tuple[int, int | None]] = {}
@@ -88,6 +100,15 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def entries_needed(self, num_tokens: int) -> int:
+        """Table entries (one block each, every group's) that hold `num_tokens` tokens."""
+        return self.num_groups * self.blocks_needed(num_tokens)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some group frees blocks that leave its window (tables may hold placeholders)."""
+        return any(self.reaches)
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -105,9 +126,8 @@ class BlockManager:
                 common = max(_common_prefix(tokens, other) for other in token_lists[:i])
                 # the block holding its last token is never shared (see the top)
                 blocks -= min(common, len(tokens) - 1) // self.block_size
-            if self.sliding_window:
-                blocks = min(blocks, self.blocks_needed(self.sliding_window + chunk) + 1)
-            total += blocks
+            for reach in self.reaches:
+                total += min(blocks, self.blocks_needed(reach + chunk) + 1) if reach else blocks
         return total
 
     def usage(self) -> float:
@@ -124,27 +144,27 @@ class BlockManager:
     def block_ids(self, seq_id: int) -> list[int]:
         return [FREED_BLOCK_ID if b is None else b.block_id for b in self.tables.get(seq_id, ())]
 
-    def num_dead_blocks(self, num_computed: int) -> int:
-        """Leading blocks that no query at position num_computed or later reads (see the top)."""
-        if not self.sliding_window:
+    def num_dead_blocks(self, num_computed: int, group: int = 0) -> int:
+        """Leading blocks of a group that no query at position num_computed or later reads (see the top)."""
+        reach = self.reaches[group]
+        if not reach:
             return 0
-        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+        return max(0, num_computed - reach + 1) // self.block_size
 
     # --- growth ---------------------------------------------------------------------
-    def _cow_index(self, table: list[Block], write_from: int | None) -> int | None:
-        """Logical index of a shared block that writing from `write_from` on would touch."""
+    def _cow_entries(self, table: list[Block | None], write_from: int | None) -> list[int]:
+        """Table entries (one per group) of the shared blocks that writing from `write_from` on would touch."""
         if write_from is None:
-            return None
-        index = write_from // self.block_size
-        if index < len(table) and table[index].ref_count > 1:
-            return index
-        return None
+            return []
+        first = write_from // self.block_size * self.num_groups
+        return [e for e in range(first, min(first + self.num_groups, len(table)))
+                if table[e] is not None and table[e].ref_count > 1]
 
     def blocks_to_grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> int:
         """Free blocks that grow() would take for the same arguments."""
         table = self.tables.get(seq_id, [])
-        missing = max(0, self.blocks_needed(num_tokens) - len(table))
-        return missing + (self._cow_index(table, write_from) is not None)
+        missing = max(0, self.entries_needed(num_tokens) - len(table))
+        return missing + len(self._cow_entries(table, write_from))
 
     def slots_to_grow(self, seq_id: int) -> int:
         """State slots that grow() would take (1 for a sequence without a table, with state layers)."""
@@ -168,15 +188,14 @@ class BlockManager:
             return None
         table = self.tables.setdefault(seq_id, [])
         growth = Growth()
-        cow_index = self._cow_index(table, write_from)
-        if cow_index is not None:
-            shared = table[cow_index]
+        for entry in self._cow_entries(table, write_from):
+            shared = table[entry]
             private = self.pool.allocate()
             self.pool.free(shared)
-            table[cow_index] = private
-            growth.copies.append((cow_index, shared.block_id, private.block_id))
+            table[entry] = private
+            growth.copies.append((entry, shared.block_id, private.block_id))
             self.num_cow_copies += 1
-        missing = max(0, self.blocks_needed(num_tokens) - len(table))
+        missing = max(0, self.entries_needed(num_tokens) - len(table))
         for block in self.pool.allocate_many(missing) or []:
             table.append(block)
             growth.new_block_ids.append(block.block_id)
@@ -222,16 +241,19 @@ class BlockManager:
         Safe at any time: a plan already sent runs on the data plane before any later plan that
         could reuse the block, and the sequence's own later queries all sit at num_computed or after."""
         table = self.tables.get(seq_id)
-        if table is None:
+        if table is None or not self.windowed:
             return 0
-        dead = min(self.num_dead_blocks(num_computed), len(table))
+        n = self.num_groups
+        dead = [min(self.num_dead_blocks(num_computed, g), len(table) // n) for g in range(n)]
         freed = 0
-        for i in range(dead):   # front first: the oldest context goes first, like a prefix's tail last
-            if table[i] is not None:
-                self.pool.free(table[i])
-                table[i].freed_by_window = table[i].ref_count == 0
-                table[i] = None
-                freed += 1
+        for i in range(max(dead)):   # front first: the oldest context goes first, like a prefix's tail last
+            for g in range(n):
+                entry = i * n + g
+                if i < dead[g] and table[entry] is not None:
+                    self.pool.free(table[entry])
+                    table[entry].freed_by_window = table[entry].ref_count == 0
+                    table[entry] = None
+                    freed += 1
         self.num_window_freed += freed
         return freed
 
@@ -302,49 +324,64 @@ class BlockManager:
 
         Without a window a prefix of k blocks needs all k cached. With one, only the blocks that a
         query at position k * block size reads (see the top): those before are placeholders, so a
-        prefix whose head was evicted still serves when its tail is cached."""
+        prefix whose head was evicted still serves when its tail is cached. With several groups, every
+        group must serve it."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
         if not self.enable_prefix_caching:
             return 0
         # never the block holding the last token: it must be computed, and never written when shared
         max_blocks = (len(token_ids) - 1) // self.block_size
-        found: list[Block] = []          # found[i]: block i, within the current run of cached blocks
-        run_start = 0                    # first block of the run of cached blocks ending at i
-        best, best_hash = 0, None        # longest usable prefix in blocks, and its last block's hash
-        for i, block_hash, key in chain_block_hashes(token_ids, self.block_size, max_blocks):
-            block = self.pool.lookup(block_hash, key)
-            if block is None:
-                if not self.sliding_window:
-                    break                # every later prefix would need this block
-                run_start = i + 1
-                found.append(None)
-                continue
-            found.append(block)
-            if run_start <= self.num_dead_blocks((i + 1) * self.block_size):
-                best, best_hash = i + 1, block_hash
-        dead = self.num_dead_blocks(best * self.block_size)
-        table: list[Block | None] = [None] * dead + found[dead:best]
-        for block in table[dead:]:
-            self.pool.incref(block)
+        chain = list(chain_block_hashes(token_ids, self.block_size, max_blocks))
+        usable = [True] * (max_blocks + 1)       # usable[k]: every group serves a prefix of k blocks
+        found = [[None] * max_blocks for _ in self.reaches]   # found[g][i]: group g's cached block i
+        for g, reach in enumerate(self.reaches):
+            run_start = 0                        # first block of the run of cached blocks ending at i
+            for i, block_hash, key in chain:
+                block = found[g][i] = self.pool.lookup(*self._group_key(g, block_hash, key))
+                if block is None:
+                    if not reach:                # every later prefix would need this block
+                        usable[i + 1:] = [False] * (max_blocks - i)
+                        break
+                    run_start = i + 1
+                if run_start > self.num_dead_blocks((i + 1) * self.block_size, g):
+                    usable[i + 1] = False
+        best = max(k for k, ok in enumerate(usable) if ok)
+        table: list[Block | None] = []
+        for i in range(best):
+            for g in range(self.num_groups):
+                table.append(None if i < self.num_dead_blocks(best * self.block_size, g) else found[g][i])
+        for block in table:
+            if block is not None:
+                self.pool.incref(block)
         self.prefix_queries += len(token_ids)
         self.prefix_hits += best * self.block_size
         if best:
             self.tables[seq_id] = table
-            self._hashed[seq_id] = (best, best_hash)
+            self._hashed[seq_id] = (best, chain[best - 1][1])
         return best * self.block_size
+
+    @staticmethod
+    def _group_key(group: int, block_hash: int, key: tuple) -> tuple[int, tuple]:
+        """The prefix cache's (hash, key) of a group's block: the first group's are the chain's own."""
+        if not group:
+            return block_hash, key
+        return hash((group, block_hash)), (group, key)
 
     def cache_computed_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
         """Registers the sequence's blocks that became full and computed."""
         if not self.enable_prefix_caching:
             return
         table = self.tables[seq_id]
+        n = self.num_groups
         done, parent = self._hashed.get(seq_id, (0, None))
-        full = min(num_computed // self.block_size, len(table))
+        full = min(num_computed // self.block_size, len(table) // n)
         for i, block_hash, key in chain_block_hashes(token_ids, self.block_size, full, done, parent):
-            # (None: freed by the window before it was registered; the chain goes on past it)
-            if table[i] is not None and table[i].block_hash is None:
-                # False when another sequence cached the same contents first: this copy stays private
-                self.pool.register(table[i], block_hash, key)
+            for g in range(n):
+                block = table[i * n + g]
+                # (None: freed by the window before it was registered; the chain goes on past it)
+                if block is not None and block.block_hash is None:
+                    # False when another sequence cached the same contents first: this copy stays private
+                    self.pool.register(block, *self._group_key(g, block_hash, key))
             parent = block_hash
         if full > done:
             self._hashed[seq_id] = (full, parent)
@@ -355,11 +392,14 @@ class BlockManager:
         if self.cpu_pool is not None:
             cpu_refs = Counter(b.block_id for table in self.cpu_tables.values() for b in table if b is not None)
             self.cpu_pool.check_integrity(cpu_refs)
+        n = self.num_groups
         for table in (*self.tables.values(), *self.cpu_tables.values()):
-            placeholders = [i for i, b in enumerate(table) if b is None]
-            assert self.sliding_window or not placeholders, "a placeholder without a sliding window"
-            # placeholders form a prefix of the table's dead part: never a block a query still reads
-            assert placeholders == list(range(len(placeholders))), f"placeholders not leading: {placeholders}"
+            assert len(table) % n == 0, f"a table of {len(table)} entries for {n} groups"
+            for g, reach in enumerate(self.reaches):
+                placeholders = [i for i, b in enumerate(table[g::n]) if b is None]
+                assert reach or not placeholders, f"a placeholder in group {g}, which has no sliding window"
+                # placeholders form a prefix of the group's dead part: never a block a query still reads
+                assert placeholders == list(range(len(placeholders))), f"placeholders not leading: {placeholders}"
         assert not set(self.tables) & set(self.cpu_tables), "a sequence holds device and CPU blocks at once"
         if self.state_slots is not None:
             self.state_slots.check_integrity(set(self.tables))

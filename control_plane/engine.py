@@ -80,15 +80,15 @@ class Engine:
         self.awaiting_handshake, self._answering = True, False
 
     def _block_manager(self) -> BlockManager:
-        """An empty block manager for the data plane of the last handshake: its pools, and the window
-        beyond which a sequence's blocks go back to the pool (0: some layer sees everything)."""
+        """An empty block manager for the data plane of the last handshake: its pools, its layer groups, and
+        the window of each beyond which a sequence's blocks go back to the pool (0: it sees everything)."""
         hs, caching = self.hs, self.config.enable_prefix_caching
         if hs.num_state_slots and caching:
             log.warning("prefix caching is off: %s has layers that keep a per-sequence state (%d state slots), "
                         "which a cached prefix of KV blocks does not restore", hs.model_id, hs.num_state_slots)
         return BlockManager(hs.num_device_blocks, hs.block_size, enable_prefix_caching=caching,
                             num_cpu_blocks=hs.num_cpu_blocks, sliding_window=hs.sliding_window,
-                            num_state_slots=hs.num_state_slots)
+                            num_state_slots=hs.num_state_slots, group_reaches=hs.group_reaches)
 
     @property
     def owners(self) -> dict[int, Request]:
@@ -405,9 +405,9 @@ class Engine:
                  "preemptions %d recompute / %d swap", len(s.running), len(s.waiting), len(s.swapped),
                  100 * s.bm.usage(), 100 * s.bm.cpu_usage(), self.stats.take_generated() / max(elapsed, 1e-9),
                  s.num_preemptions, s.num_swap_preemptions)
-        if s.bm.sliding_window:
-            log.info("sliding window %d on every layer: %d blocks freed so far because they left it",
-                     s.bm.sliding_window, s.bm.num_window_freed)
+        if s.bm.windowed:
+            log.info("layer groups reading back %s positions (0: all): %d blocks freed so far because they "
+                     "left a window", s.bm.reaches, s.bm.num_window_freed)
 
     async def stop(self) -> None:
         self._stopping = True

@@ -103,7 +103,7 @@ def snapshot(scheduler, num_generated: int, block_size: int) -> dict:
     seqs = on_device + swapped
     flat: list[int] = []            # every table, one after the other: the device's, then the CPU pool's
     lengths = []
-    windowed = bm.sliding_window > 0
+    windowed = bm.windowed
     for tables, group in ((bm.tables, on_device), (bm.cpu_tables, swapped)):
         for s in group:
             table = tables.get(s.seq_id, ())
@@ -120,7 +120,8 @@ def snapshot(scheduler, num_generated: int, block_size: int) -> dict:
              "kv_usage": load.kv_usage, "cpu_kv_usage": load.cpu_kv_usage, "generated_tokens": num_generated,
              "state_slots": load.state_slots, "state_slots_used": load.state_slots_used,
              "preemptions": {"recompute": scheduler.num_preemptions, "swap": scheduler.num_swap_preemptions}}
-    return {"block_size": block_size, "time": time.time(),
+    # with several layer groups a table interleaves theirs: entry i * groups + g is group g's block i
+    return {"block_size": block_size, "group_reaches": bm.reaches, "time": time.time(),
             "device": _pool(bm.pool, entries[:split], owners[:split], with_window=windowed),
             "cpu": _pool(bm.cpu_pool, entries[split:], owners[split:]),
             "seqs": {"id": [s.seq_id for s in seqs], "request": [s.request_id for s in seqs],

@@ -378,8 +378,9 @@ class Scheduler:
             if len(self.running) + len(group) > self.max_num_seqs or (wanted and not sum(shares)):
                 break
             # room for the blocks, and for the blocks (or copy) each sequence's share needs this step
-            growth_blocks = sum(max(0, self.bm.blocks_needed(s.num_computed_tokens + n) -
-                                    len(self.bm.cpu_tables[s.seq_id])) + 1 for s, n in zip(group, shares))
+            growth_blocks = sum(max(0, self.bm.entries_needed(s.num_computed_tokens + n) -
+                                    len(self.bm.cpu_tables[s.seq_id])) + self.bm.num_groups
+                                for s, n in zip(group, shares))
             pairs = self.bm.swap_in([s.seq_id for s in group], reserve=self.watermark_blocks + growth_blocks)
             if pairs is None:
                 break

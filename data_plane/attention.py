@@ -32,6 +32,14 @@ ATTENTION_NAME = "pagedserve"
 
 
 @dataclass
+class GroupStep:
+    """A layer group's part of a step (data_plane/kv_pool.py): its K/V slots, block tables and kernel rows."""
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    kernel_rows: KernelRows | None
+
+
+@dataclass
 class StepContext:
     kv_pool: torch.Tensor          # [attention layers, 2, blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor     # [tokens] int64: where each new token's K/V goes
@@ -48,6 +56,10 @@ class StepContext:
     # model layer index -> its slab of kv_pool, for a model with state layers (which have no slab:
     # data_plane/kv_pool.py); None: every layer attends and its slab is its index
     kv_slabs: dict[int, int] | None = None
+    # with layer groups: model layer index -> its group, and each group's part of the step, which its layers
+    # read instead of the three fields above (those are the first group's); None: one group
+    kv_groups: dict[int, int] | None = None
+    groups: list[GroupStep] | None = None
     _positions: torch.Tensor | None = None
 
     @property
@@ -172,6 +184,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     assert query.shape[0] == 1, "pagedserve runs one flattened row of tokens"
     layer = ctx.kv_pool[module.layer_idx if ctx.kv_slabs is None else ctx.kv_slabs[module.layer_idx]]
     k_cache, v_cache = layer[0], layer[1]
+    part = ctx if ctx.groups is None else ctx.groups[ctx.kv_groups[module.layer_idx]]
     q = query[0].transpose(0, 1)   # [tokens, heads, dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -180,13 +193,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # V heads narrower than K heads (multi-head latent attention): stored padded with zeros, which add
         # nothing to the weighted sum; the output's padding is cut off below
         v = torch.nn.functional.pad(v, (0, k.shape[-1] - v_dim))
-    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, backend=ctx.backend)
+    write_kv(k, v, k_cache, v_cache, part.slot_mapping, backend=ctx.backend)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+    out = paged_attention(q, k_cache, v_cache, part.block_tables, ctx.seq_lens, ctx.query_start_loc,
                           scale, ctx.max_query_len, sliding_window=sliding_window, softcap=softcap,
                           sinks=None if s_aux is None else s_aux.detach().float(), alibi=alibi,
                           chunk=layer_chunk(module),
-                          kernel_rows=ctx.kernel_rows, backend=ctx.backend)
+                          kernel_rows=part.kernel_rows, backend=ctx.backend)
     return out[..., :v_dim].unsqueeze(0), None  # [1, tokens, heads, V's dim]
 
 

@@ -81,7 +81,8 @@ class ModelRunner:
         wide_codes = self._load(model, config)
         capture, graph_buckets = self._allocate_pool(config)
         self.seqs: dict[int, SeqState] = {}
-        self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size))
+        # a row holds every group's table, interleaved (data_plane/kv_pool.py)
+        self.tables = block_tables.BlockTables(-(-self.max_model_len // self.block_size) * self.layout.num_groups)
         self._arange = torch.arange(64, dtype=torch.int64, device=device)
         heads = (getattr(self.model.config, "num_attention_heads", None) or self.num_kv_heads) \
             // config.tensor_parallel_size
@@ -91,9 +92,9 @@ class ModelRunner:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
         self.graphs = None
-        # (not for state layers: their per-sequence forward is not captured; so the graphs' steps run on a pool
-        # whose slab of a layer is the layer's index)
-        if (config.decode_graphs == "eager" or capture) and self.states is None:
+        # (not for state layers: their per-sequence forward is not captured; nor with layer groups, whose tables
+        # the graphs do not hold: so the graphs' steps run on a pool whose slab of a layer is the layer's index)
+        if (config.decode_graphs == "eager" or capture) and self.states is None and self.layout.groups is None:
             self.graphs = decode_graphs.DecodeGraphs(self._forward_eager, self.pool,
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture, self.backend)
@@ -135,14 +136,17 @@ class ModelRunner:
         # refuses what cannot be served exactly; picks the model's own logits path (soft-cap, scaling)
         support = model_support.check_model(model)
         self.final_logits = support.final_logits
-        # > 0: the control plane frees blocks outside this window; their table entries come as -1
-        self.sliding_window = support.freeable_window
         self._state_shapes = support.state_shapes
         # the layers with a K/V slab in the pool: all but the state layers of a hybrid model (the probe has
-        # checked that these are the layers that call attention), and the map to their slabs, made once here
+        # checked that these are the layers that call attention), in groups by how far back they read, and
+        # the map to their slabs and groups, made once here
         attending = model_support.attention_layers(mc)
         self.num_kv_layers = len(attending)
-        self.kv_slabs = kv_pool.slabs(attending, self.num_layers)
+        self.layout = model_support.pool_layout(model)
+        self.kv_slabs = self.layout.slabs
+        # > 0: one group, whose layers read at most this far back: the control plane frees blocks outside
+        # this window; their table entries come as -1 (so do those of a sliding group's, with groups)
+        self.sliding_window = self.layout.reaches[0] if self.layout.num_groups == 1 else 0
         if support.state_shapes and config.tensor_parallel_size > 1:
             raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: a model with state layers "
                               "(layers " + ", ".join(map(str, sorted(support.state_shapes))) + ") is served on one "
@@ -154,7 +158,7 @@ class ModelRunner:
         """The KV pool on the device (less what decode graphs will need) and the swap space; returns
         whether graphs are captured, and their batch sizes."""
         mc, device = self.model.config, self.device
-        block_bytes = kv_block_bytes(self.num_kv_layers, self.block_size, self.num_kv_heads, self.head_dim,
+        block_bytes = kv_block_bytes(self.layout.num_slabs, self.block_size, self.num_kv_heads, self.head_dim,
                                      config.dtype)
         # not with tensor parallelism (its all_reduce between ranks is not captured), nor with state layers
         # (their per-sequence forward is not either)
@@ -176,7 +180,7 @@ class ModelRunner:
             self.num_blocks = min(cap, config.kv_cache_blocks or cap)
             swap_blocks = min(cap, config.swap_blocks) if config.swap_blocks is not None else \
                 cap if config.swap_space_gib > 0 else 0
-        self.pool = kv_pool.allocate_pool(self.num_kv_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+        self.pool = kv_pool.allocate_pool(self.layout.num_slabs, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, device)
         self.swap = SwapPool(self.pool, swap_blocks)
         # layers with a per-sequence state: a slot each per sequence, and as many in CPU memory with swap space
@@ -184,7 +188,7 @@ class ModelRunner:
                                 swap=self.swap.num_blocks > 0) if self._state_shapes else None
         self.block_bytes = block_bytes
         # per slab and K/V, views of the pool shaped [blocks, block_size, kv_heads, head_dim]
-        self.layer_caches = [self.pool[slab, kv] for slab in range(self.num_kv_layers) for kv in (0, 1)]
+        self.layer_caches = [self.pool[slab, kv] for slab in range(self.layout.num_slabs) for kv in (0, 1)]
         return capture, graph_buckets
 
     def _route(self, config: DataPlaneConfig, wide_codes: dict | None) -> tuple[dict[str, int], str | None]:
@@ -196,6 +200,8 @@ class ModelRunner:
         model = self.model
         codes = config.gguf_codes if wide_codes is None else wide_codes
         self.lean, why_not = llama_forward.build(model, codes) if config.lean_forward else (None, "--no-lean-forward")
+        if self.lean is not None and self.layout.groups is not None:   # (its layers read one block table)
+            self.lean, why_not = None, "layer groups"
         routes = linear_ops.route_linears(model.get_output_embeddings() if self.lean else model, codes=codes)
         if self.lean:
             for route, count in linear_ops.route_counts(self.lean.linears()).items():
@@ -208,17 +214,18 @@ class ModelRunner:
         device = str(self.device)
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
-        return Handshake(self.model_id, self.vocab_size, self.num_kv_layers, self.num_kv_heads, self.head_dim,
+        return Handshake(self.model_id, self.vocab_size, self.layout.num_slabs, self.num_kv_heads, self.head_dim,
                          str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
                          self.swap.num_blocks,
                          self.max_model_len, device, eos_ids, sliding_window=self.sliding_window,
-                         num_state_slots=self.states.num_slots if self.states is not None else 0)
+                         num_state_slots=self.states.num_slots if self.states is not None else 0,
+                         group_reaches=self.layout.reaches if self.layout.num_groups > 1 else [])
 
     # --- plan bookkeeping -------------------------------------------------------------
     def _check_blocks(self, block_ids, table: bool = False) -> None:
         """Every id in range; a whole table sent with a sequence may also hold FREED_BLOCK_ID (-1) for
-        blocks that left the sliding window (only when the model has one: _prepare checks where)."""
-        freed_ok = table and self.sliding_window
+        blocks that left a sliding window (only when the model has one: _prepare checks where)."""
+        freed_ok = table and any(self.layout.reaches)
         for b in block_ids:
             if not 0 <= b < self.num_blocks and not (freed_ok and b == FREED_BLOCK_ID):
                 raise PlanError(f"block id {b} out of range [0, {self.num_blocks})")
@@ -311,27 +318,29 @@ class ModelRunner:
         return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=prompt_scores)
 
     def _prepare(self, scheduled):
-        input_ids, positions, slots, seq_lens, starts, rows, sample_rows = [], [], [], [], [0], [], []
+        input_ids, positions, seq_lens, starts, rows, sample_rows = [], [], [], [0], [], []
         state_seqs = []
         max_blocks = 1
-        bs = self.block_size
+        bs, groups, windowed = self.block_size, self.layout.num_groups, any(self.layout.reaches)
+        slots = [[] for _ in range(groups)]   # per group, where each new token's K/V goes
         for seq_id, num_new in scheduled:
             st = self.seqs[seq_id]
             begin, end = st.num_computed_tokens, st.num_computed_tokens + num_new
             if end > len(st.token_ids) or num_new < 1:
                 raise PlanError(f"sequence {seq_id}: {num_new} new tokens from {begin} but "
                                 f"{len(st.token_ids)} tokens are known")
-            if -(-end // bs) > len(st.block_ids):
-                raise PlanError(f"sequence {seq_id}: {end} tokens need {-(-end // bs)} blocks, "
-                                f"table has {len(st.block_ids)}")
+            if -(-end // bs) * groups > len(st.block_ids):
+                raise PlanError(f"sequence {seq_id}: {end} tokens need {-(-end // bs) * groups} table entries "
+                                f"({groups} per block of tokens), table has {len(st.block_ids)}")
             table = st.block_ids
-            if self.sliding_window and FREED_BLOCK_ID in table:   # -1 only comes with a window
+            if windowed and FREED_BLOCK_ID in table:   # -1 only comes with a window
                 # freed entries lie before the block of `begin`, so no slot below reads one; the
                 # attention reads the runner's BlockTables, which hold 0 there
                 self._check_freed(seq_id, table, begin)
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
+            for g, group_slots in enumerate(slots):
+                group_slots.extend(table[p // bs * groups + g] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
             rows.append(st.row)
@@ -340,26 +349,35 @@ class ModelRunner:
             max_blocks = max(max_blocks, len(table))
             if end == len(st.token_ids):
                 sample_rows.append((seq_id, starts[-1] - 1))
-        tables = self.tables.gather(rows, max_blocks)
+        tables = self.tables.gather(rows, max_blocks).to(self.device)
         dev = self.device
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        starts_t = torch.tensor(starts, dtype=torch.int32, device=dev)
+        decode_only = len(input_ids) == len(seq_lens)   # row r is sequence r's one new token
+        views = [self._group_view(slots[g], tables if groups == 1 else tables[:, g::groups].contiguous(),
+                                  seq_lens_t, starts_t, decode_only) for g in range(groups)]
         ctx = attention.StepContext(
-            kv_pool=self.pool,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            kv_pool=self.pool, slot_mapping=views[0].slot_mapping, block_tables=views[0].block_tables,
+            seq_lens=seq_lens_t, query_start_loc=starts_t,
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend,
+            kernel_rows=views[0].kernel_rows,
             state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None,
-            kv_slabs=self.kv_slabs)
-        if not self.backend.triton:   # the CPU kernel's rows, once for every layer of the step
-            if ctx.max_query_len == 1:   # decode rows only: row r is sequence r's one new token
-                ctx.kernel_rows = attention_ops.KernelRows(self._row_ids(len(seq_lens)), ctx.block_tables,
-                                                           ctx.seq_lens, [], ctx.seq_lens)
-            else:
-                ctx.kernel_rows = attention_ops.kernel_rows(ctx.query_start_loc, ctx.seq_lens, ctx.block_tables)
+            kv_slabs=self.kv_slabs, kv_groups=self.layout.groups, groups=views if groups > 1 else None)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
         pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows
+
+    def _group_view(self, slots: list[int], tables: torch.Tensor, seq_lens: torch.Tensor,
+                    starts: torch.Tensor, decode_only: bool) -> attention.GroupStep:
+        """One layer group's part of a step: its slots, its block tables and, on the CPU, the kernel's rows
+        (made once for every layer of the group)."""
+        rows = None
+        if not self.backend.triton:
+            if decode_only:
+                rows = attention_ops.KernelRows(self._row_ids(seq_lens.shape[0]), tables, seq_lens, [], seq_lens)
+            else:
+                rows = attention_ops.kernel_rows(starts, seq_lens, tables)
+        return attention.GroupStep(torch.tensor(slots, dtype=torch.int64, device=self.device), tables, rows)
 
     def _row_ids(self, n: int) -> torch.Tensor:
         """0 .. n - 1 as int64, sliced from one tensor kept between steps."""
@@ -369,13 +387,19 @@ class ModelRunner:
 
     def _check_freed(self, seq_id: int, table: list[int], begin: int) -> None:
         """Freed entries may only be blocks that no query of this step, from position `begin` on, reads:
-        those wholly before begin - window + 1. The attention ops start at each query's window and
-        never load them, so whatever the pool holds there (another sequence's KV) cannot leak in."""
-        dead = max(0, begin - self.sliding_window + 1) // self.block_size
-        if FREED_BLOCK_ID in table[dead:]:
-            raise PlanError(f"sequence {seq_id}: a freed block (-1) at table entry "
-                            f"{table.index(FREED_BLOCK_ID, dead)}, inside the window of its queries from "
-                            f"position {begin} (window {self.sliding_window}, block size {self.block_size})")
+        those of a group with a window, wholly before begin - window + 1. The attention ops start at each
+        query's window and never load them, so whatever the pool holds there (another sequence's KV) cannot
+        leak in."""
+        groups = self.layout.num_groups
+        for g, reach in enumerate(self.layout.reaches):
+            entries = table[g::groups]
+            dead = max(0, begin - reach + 1) // self.block_size if reach else 0
+            if FREED_BLOCK_ID in entries[dead:]:
+                where = f"table entry {entries.index(FREED_BLOCK_ID, dead) * groups + g}" + \
+                    (f" (group {g})" if groups > 1 else "")
+                raise PlanError(f"sequence {seq_id}: a freed block (-1) at {where}, inside the window of its "
+                                f"queries from position {begin} (window {reach or 'none'}, block size "
+                                f"{self.block_size})")
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
         """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions)."""

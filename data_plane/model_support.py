@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from data_plane import attention, own_attention, state_layers
+from data_plane import attention, kv_pool, own_attention, state_layers
 from shared.config import ConfigError
 
 log = logging.getLogger("pagedserve.data_plane")
@@ -66,13 +66,19 @@ class Support:
     state_shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
+    def layer_reaches(self) -> list[int | None]:
+        """Per layer, how far back its queries read: its window, or its chunk C (a query at p reads from the
+        start of its chunk, which is after p - C); None: the whole context (or a state layer)."""
+        chunks = self.layer_chunks or [None] * len(self.layer_windows)
+        return [w or c for w, c in zip(self.layer_windows, chunks)]
+
+    @property
     def freeable_window(self) -> int:
         """The widest reach when every layer's is bounded (Mistral), else 0 (Gemma 2/3 and Llama 4 have
         global layers): a block wholly before that many positions of a sequence's next query is read by
-        no layer again. A layer's reach is its window, or its chunk C: a query at p reads from the start
-        of its chunk, which is after p - C."""
-        chunks = self.layer_chunks or [None] * len(self.layer_windows)
-        reach = [w or c for w, c in zip(self.layer_windows, chunks)]
+        no layer again. Where only some layers' is, the pool's layer groups free blocks per group
+        (data_plane/kv_pool.py)."""
+        reach = self.layer_reaches
         if not reach or any(r is None for r in reach):
             return 0
         return max(reach)
@@ -166,6 +172,15 @@ def attention_layers(config) -> list[int]:
     except "hybrid" layers (Falcon-H1), which do both."""
     types = getattr(config, "layer_types", None)
     return [i for i in range(config.num_hidden_layers) if not types or types[i] not in STATE_LAYER_TYPES - {"hybrid"}]
+
+
+def pool_layout(model) -> kv_pool.Layout:
+    """The KV pool's slabs and layer groups for a model that check_model accepted: its attention layers,
+    grouped by how far back each reads."""
+    support = check_model(model)
+    attending = attention_layers(model.config)
+    return kv_pool.layout({layer: support.layer_reaches[layer] for layer in attending},
+                          model.config.num_hidden_layers)
 
 
 def state_layers_of(config) -> list[int]:

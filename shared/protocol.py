@@ -104,8 +104,9 @@ class Hello:
 class Handshake:
     model_id: str            # what the data plane loaded (path or name)
     vocab_size: int          # rows of the LM head: token ids must be below this
-    num_layers: int          # layers with a K and V cache in the pool: the attention layers (a state
-                             # layer has none; 0 for Mamba), so block bytes computed from it are the pool's
+    num_layers: int          # K/V slabs of a block: the attention layers (a state layer has none; 0 for
+                             # Mamba), or one group's with layer groups, so block bytes computed from it
+                             # are the pool's
     num_kv_heads: int        # KV heads per layer (GQA groups)
     head_dim: int            # size of one head
     dtype: str               # "float32" | "bfloat16" | "float16": model and KV cache dtype
@@ -124,25 +125,33 @@ class Handshake:
     # layers keep a per-sequence state (LFM2's convolutions); 0: no such layer, every sequence needs
     # blocks only
     num_state_slots: int = 0
+    # layer groups, each with a block table of its own per sequence (data_plane/kv_pool.py): per group, the
+    # positions its layers read back (0: all). Empty: one group, whose reach is `sliding_window`
+    group_reaches: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list:
         return [self.model_id, self.vocab_size, self.num_layers, self.num_kv_heads, self.head_dim,
                 self.dtype, self.block_size, self.num_device_blocks, self.num_cpu_blocks,
                 self.max_model_len, self.device, list(self.eos_token_ids), self.owner_token,
-                self.sliding_window, self.num_state_slots]
+                self.sliding_window, self.num_state_slots, list(self.group_reaches)]
 
     @classmethod
     def from_wire(cls, body: list) -> "Handshake":
         b = _list(body)
-        if len(b) != 15:   # both planes ship in one package: every field is always sent
-            raise ProtocolError(f"a handshake has 15 fields, got {len(b)}")
-        window, slots = _int(b[13]), _int(b[14])
-        if window < 0:
-            raise ProtocolError(f"a handshake's sliding window must be >= 0, got {window}")
+        if len(b) != 16:   # both planes ship in one package: every field is always sent
+            raise ProtocolError(f"a handshake has 16 fields, got {len(b)}")
+        window, slots, reaches = _int(b[13]), _int(b[14]), _ints(b[15])
+        if window < 0 or any(r < 0 for r in reaches):
+            raise ProtocolError(f"a handshake's sliding window and group reaches must be >= 0, got {window}, "
+                                f"{reaches}")
+        if reaches and window:
+            raise ProtocolError("a handshake with layer groups gives each group's reach, not one sliding window")
+        if len(reaches) == 1:
+            raise ProtocolError("a handshake's group reaches list two groups or more (one group: sliding_window)")
         if slots < 0:
             raise ProtocolError(f"a handshake's state slots must be >= 0, got {slots}")
         return cls(_str(b[0]), *(_int(v) for v in b[1:5]), _str(b[5]), *(_int(v) for v in b[6:10]),
-                   _str(b[10]), _ints(b[11]), _str(b[12]), window, slots)
+                   _str(b[10]), _ints(b[11]), _str(b[12]), window, slots, reaches)
 
 
 @dataclass

@@ -34,18 +34,23 @@ class Played:
 def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
          mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
-         sliding_window: int = 0, num_state_slots: int = 0, samples: dict[int, int] | None = None) -> Played:
+         sliding_window: int = 0, num_state_slots: int = 0, samples: dict[int, int] | None = None,
+         group_reaches: list[int] | None = None) -> Played:
     """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
     number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
-    `sliding_window` the block manager frees blocks that leave the window. Checks the pool's integrity
+    `sliding_window` (or `group_reaches`, the handshake's layer groups) the block manager frees blocks that
+    leave the window. Checks the pool's integrity
     after every step and that no block leaked at the end. `samples`: prompt index -> n, parallel samples
     of that prompt (its first step draws n tokens; samples 1 .. n - 1 fork from the first, as the output
     processor's Fork decisions do, sharing its blocks and copying its state)."""
     num_blocks = runner.num_blocks if num_blocks is None else num_blocks
     block_size = runner.block_size if block_size is None else block_size
+    groups = runner.layout.num_groups
+    if not group_reaches and groups > 1:   # the runner's layer groups, each with its table, none freeing
+        group_reaches = [0] * groups
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks,
-                      sliding_window=sliding_window, num_state_slots=num_state_slots)
+                      sliding_window=sliding_window, num_state_slots=num_state_slots, group_reaches=group_reaches)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
     samples = samples or {}
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, n=samples.get(i, 1))

@@ -35,6 +35,7 @@ class Served:
     window_freed: int                # blocks given back because they left the sliding window
     peak_blocks: int                 # most device blocks in use after any step
     sliding_window: int              # what the runner's handshake said
+    group_reaches: list[int]         # its layer groups' reaches (empty: one group)
     state_slots: int = 0             # the runner's state pool (a model with state layers)
     # parallel samples after the first: (prompt index, (tokens, log-probs)); copy-on-write copies made
     forks: list[tuple[int, tuple[list[int], list[float]]]] = field(default_factory=list)
@@ -56,11 +57,13 @@ def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num
     played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,
                   sliding_window=window if free_window else 0, mode="swap" if swap else "recompute",
                   num_cpu_blocks=num_blocks if swap else 0, num_state_slots=handshake.num_state_slots,
-                  samples=samples)
+                  samples=samples,
+                  group_reaches=handshake.group_reaches if free_window else [0] * len(handshake.group_reaches))
     outputs = [(tokens, logprobs[-max_tokens:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
     forks = [(i, (tokens, logprobs[-max_tokens:])) for i, tokens, logprobs in played.forks]
     return Served(outputs, played.preemptions, played.swap_preemptions, played.prefix_hits, played.window_freed,
-                  played.peak_blocks, window, handshake.num_state_slots, forks, played.cow_copies)
+                  played.peak_blocks, window, handshake.group_reaches, handshake.num_state_slots, forks,
+                  played.cow_copies)
 
 
 def assert_same(outputs, expected, atol: float = 1e-4) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from control_plane.block_manager import BlockManager
 from data_plane import attention, model_support
 from data_plane.model_runner import load_model
 from shared.config import DataPlaneConfig
@@ -28,6 +29,10 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_TOKENS = 4, 32, 16
 # a model whose every layer has a window frees blocks as its sequences run: a smaller pool keeps it
 # preempting (one sequence needs at most 16 / 4 + 1 blocks for its window and 16 / 4 for a chunk)
 NUM_BLOCKS_FREEING = 10
+# one with sliding and full layers frees its sliding groups' blocks (data_plane/kv_pool.py): a few blocks more
+# than the longest sequence needs in all its groups
+MARGIN_GROUPED = 4
+BUDGET = 16       # tokens a step (serve's default)
 SHARED = list(range(200, 229))   # 29 tokens: 7 full blocks shared by two prompts
 PROMPTS = [[1] + list(range(300, 369)),                  # 70 tokens: prefilled in chunks, past every window
            [1] + SHARED + [7, 8], [1] + SHARED + [9],     # prefix-cache hits
@@ -54,15 +59,22 @@ def test_served_like_transformers(name, mode):
     expected = _expected[name]
     model.set_attn_implementation(attention.register())
     frees = model_support.check_model(model).freeable_window > 0
+    reaches = model_support.pool_layout(model).reaches
+    num_blocks = NUM_BLOCKS_FREEING if frees else NUM_BLOCKS
+    if len(reaches) > 1:
+        longest = [0] * (max(len(p) for p in PROMPTS) + MAX_TOKENS)
+        num_blocks = BlockManager(1, BLOCK_SIZE, group_reaches=reaches).group_blocks([longest], BUDGET) + \
+            MARGIN_GROUPED
     swap = mode == "swap"
-    served = serve(model, PROMPTS, MAX_TOKENS, BLOCK_SIZE, NUM_BLOCKS_FREEING if frees else NUM_BLOCKS,
-                   swap=swap, samples=FORKED)
+    served = serve(model, PROMPTS, MAX_TOKENS, BLOCK_SIZE, num_blocks, budget=BUDGET, swap=swap, samples=FORKED)
     # preemptions: by recompute; swap_preemptions: by swapping. A model with state layers has no prefix cache
     # (a cached block holds no state)
     assert (served.prefix_hits > 0) == (served.state_slots == 0), served
     assert (served.swap_preemptions if swap else served.preemptions) > 0, served
-    # a model whose every layer has a window frees the blocks that leave it (Mistral, Phi3, Mixtral)
-    assert (served.window_freed > 0) == (served.sliding_window > 0), served
+    # a model whose every layer has a window frees the blocks that leave it (Mistral, Phi3, Mixtral); one
+    # with sliding and full layers, those of its sliding groups (GPT-OSS, Gemma 2/3, Llama 4's chunks)
+    windowed = served.sliding_window > 0 or any(served.group_reaches)
+    assert (served.window_freed > 0) == windowed, served
     assert_same(served.outputs, expected)
     assert [i for i, _ in served.forks] == [4], served.forks
     assert served.cow_copies > 0, served

@@ -41,7 +41,8 @@ def hf_scores(model, prompt):
 def score(runner, prompts, budget, bm=None, k=K, ask=None):
     """Plays the control plane until every prompt has sampled one token; returns each prompt's
     recorded (logprob, rank, top) per position and the block manager. `ask`: which prompts ask."""
-    bm = bm or BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True)
+    bm = bm or BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True,
+                            group_reaches=runner.handshake().group_reaches)
     sched = Scheduler(bm, 8, budget)
     owners, seqs = {}, []
     for i, prompt in enumerate(prompts):

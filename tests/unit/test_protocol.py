@@ -63,9 +63,20 @@ def test_handshake_carries_the_sliding_window_and_every_field_is_required():
     assert P.decode(P.encode(P.HANDSHAKE, hs)) == (P.HANDSHAKE, hs)
     body = hs.to_wire()
     with pytest.raises(P.ProtocolError, match="sliding window"):
-        P.Handshake.from_wire(body[:13] + [-1, 0])
+        P.Handshake.from_wire(body[:13] + [-1, 0, []])
     with pytest.raises(P.ProtocolError, match="state slots"):
-        P.Handshake.from_wire(body[:14] + [-1])
-    for wrong in (body[:14], body[:13], body + [0]):
-        with pytest.raises(P.ProtocolError, match="15 fields"):
+        P.Handshake.from_wire(body[:14] + [-1, []])
+    for wrong in (body[:15], body[:14], body + [0]):
+        with pytest.raises(P.ProtocolError, match="16 fields"):
             P.Handshake.from_wire(wrong)
+
+
+def test_handshake_carries_layer_groups_with_a_reach_each():
+    hs = P.Handshake("m", 100, 2, 1, 64, "float32", 16, 50, 0, 512, "cpu", [2], "tok", group_reaches=[0, 128])
+    assert P.decode(P.encode(P.HANDSHAKE, hs)) == (P.HANDSHAKE, hs)
+    body = hs.to_wire()
+    for reaches, message in (([0, -1], "must be >= 0"), ([128], "two groups or more")):
+        with pytest.raises(P.ProtocolError, match=message):
+            P.Handshake.from_wire(body[:15] + [reaches])
+    with pytest.raises(P.ProtocolError, match="not one sliding window"):   # one or the other
+        P.Handshake.from_wire(body[:13] + [128, 0, [0, 128]])

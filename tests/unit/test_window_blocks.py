@@ -123,7 +123,7 @@ def test_a_prefix_whose_head_was_evicted_still_serves_from_its_tail():
     assert bm.match_prefix(2, tokens[:21]) == 20
     assert bm.block_ids(2) == [X, X, X, 3, 4]
     bm.check_integrity()
-    bm.sliding_window = 0                             # the same cache, read without a window:
+    bm.reaches = [0]                                  # the same cache, read without a window:
     bm.free(2)
     assert bm.match_prefix(3, tokens[:21]) == 0       # the prefix needs block 0
 
