@@ -46,9 +46,8 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     processor's Fork decisions do, sharing its blocks and copying its state)."""
     num_blocks = runner.num_blocks if num_blocks is None else num_blocks
     block_size = runner.block_size if block_size is None else block_size
-    groups = runner.layout.num_groups
-    if not group_reaches and groups > 1:   # the runner's layer groups, each with its table, none freeing
-        group_reaches = [0] * groups
+    if not group_reaches:   # the data plane's layer groups, if it has several: a table each, none freeing
+        group_reaches = [0] * len(runner.handshake().group_reaches) or None
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, num_cpu_blocks=num_cpu_blocks,
                       sliding_window=sliding_window, num_state_slots=num_state_slots, group_reaches=group_reaches)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))

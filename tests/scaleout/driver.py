@@ -33,6 +33,9 @@ class RemoteRunner:
     def execute(self, plan: P.StepPlan) -> P.StepResult:
         return self.request(P.STEP_PLAN, plan)
 
+    def handshake(self) -> P.Handshake:
+        return self.hs
+
     def shutdown(self) -> None:
         self.sock.send(P.encode(P.SHUTDOWN))
         self.sock.close(0)
