@@ -5,14 +5,7 @@ import pytest
 import torch
 
 from ops import linear
-
-
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+from tests.helpers import cpu_flags
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -22,7 +15,7 @@ def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def test_the_build_has_the_dot_product_where_the_cpu_has_it(kernel):
     # the kernels are built for the CPU they run on (-march=native)
-    assert kernel.has_bf16_dot() == ("avx512_bf16" in _cpu_flags())
+    assert kernel.has_bf16_dot() == ("avx512_bf16" in cpu_flags())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64])
@@ -64,7 +57,7 @@ def test_bfloat16_layers_take_the_dot_kernel_where_the_cpu_has_no_amx(kernel):
     w = torch.randn(64, 96).to(torch.bfloat16)
     routed = linear.RoutedLinear(w, None, kernel, packed=True, codes=None)
     uses_dot = linear.bf16_dot_kernel(kernel)
-    assert uses_dot == (kernel.has_bf16_dot() and "amx_bf16" not in _cpu_flags())
+    assert uses_dot == (kernel.has_bf16_dot() and "amx_bf16" not in cpu_flags())
     assert (routed.dot is not None) == uses_dot
     assert (routed.packed is None) == uses_dot or not linear.has_packed_bf16_gemm()   # one copy, not two
     with torch.no_grad():

@@ -17,14 +17,6 @@ ROWS = [1, 2, 4, 5, 16, 64, 200]
 VOCAB_ROWS = [1, 4, 5, 16]   # the output layer: a step's last rows only
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def _layer(kernel, outputs: int, inputs: int, seed: int):
     """A bfloat16 weight rounded from GGUF codes (Q8_0 for the output layer, as the model's file has it,
     Q4_1 for the rest), routed as the data plane routes it."""
@@ -106,7 +98,3 @@ def test_onednns_packed_gemm_gives_f_linears_bits():
                 x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
                 assert torch.equal(routed(x), F.linear(x, weight)), (outputs, inputs, rows)
 
-
-def test_the_kernels_claim_the_order_only_where_the_cpu_has_the_dot_product(kernel):
-    # the skip above must not hide a build that lost the dot product on a CPU that has it
-    assert kernel.has_bf16_dot() == ("avx512_bf16" in _cpu_flags())
