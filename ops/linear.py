@@ -5,15 +5,16 @@ bfloat16, by what the CPU has:
 - AVX512-BF16 dot products but no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake): the kernel of
   kernels/cpu/bf16_linear.cpp on a weight laid out once at start for it. On SmolLM2's products it was
   1.1x oneDNN's GEMM at 64-512 rows and 1.3-2x at 1-32 (bench/route_rows.py). Exact products and
-  float32 sums, as oneDNN's, in its own order: an output can be one bfloat16 step from `F.linear`'s
-  where the float32 sum sits by a rounding boundary (a few in 100,000 outputs). A row's result does not
+  float32 sums in oneDNN's order (kernels/cpu/simd.h, onednn_bf16_chunk): `F.linear`'s bits at every
+  row count and thread count (tests/kernels/test_bf16_onednn_order.py), so a row's result does not
   depend on the other rows of the call.
 - otherwise oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
   weight reordered once at start into oneDNN's blocked layout: bit for bit `F.linear` on the same
   bfloat16 tensors (which reorders the weight at every call), at every row count and whatever the
   batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
 - a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows
-  (a few rows are bound by reading the weights; codes are a third of the bytes).
+  (a few rows are bound by reading the weights; codes are a third of the bytes); with AVX512-BF16 in
+  oneDNN's order as well, else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
 
 float32:
 

@@ -84,6 +84,18 @@ def q8_0_form(weight: torch.Tensor) -> torch.Tensor:
     return (scale * code).reshape(n, k)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def gguf_form_model(model):
     """`model` in place as the default model's GGUF expands: every linear layer whose shape the codes
     kernel takes (out a multiple of 16, in of 32) in Q4_1 form, the output layer in Q8_0; returns it."""

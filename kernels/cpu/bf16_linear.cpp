@@ -1,16 +1,15 @@
 // y[M, N] = x[M, K] . W[N, K]^T in bfloat16 on the AVX512-BF16 dot product (VDPBF16PS), for CPUs that
 // have it but no AMX tiles (where oneDNN's AMX kernels are the faster route; ops/linear.py decides).
 //
-// Each product of two bfloat16 values is exact in float32 and the sums are float32, as in oneDNN's
-// bfloat16 GEMM; only the order of the sums differs (here: over k in pairs, front to back), so an
-// output can differ from oneDNN's in its last bfloat16 bit where the float32 sum sits next to a
-// rounding boundary. y is rounded to bfloat16 once, to nearest even.
+// Each product of two bfloat16 values is exact in float32 and the sums are float32 in oneDNN's order
+// (pagedserve::onednn_bf16_chunk: chunks of 512 or 1024 inputs, each over its pairs front to back,
+// then the chunks' sums): y, rounded to bfloat16 once, to nearest even, is `F.linear`'s bit for bit.
 //
 // Layout (bf16_pack): output rows in groups of 16; for group g and input pair (2j, 2j + 1), 32 values,
 // lane l holding (W[16g + l, 2j], W[16g + l, 2j + 1]): one 64-byte load feeds one VDPBF16PS for 16
-// outputs. A thread takes a panel of up to 3 groups (48 outputs) and runs every tile of up to 8 rows of
-// x over it with 8 x 3 sixteen-lane accumulators: per input pair, 3 loads of weights and 8 broadcasts
-// of x's pair feed 24 dot products. The panel (K / 2 * 192 bytes) stays in L2 for all the tiles.
+// outputs. A thread takes a panel of up to 4 groups (64 outputs) and runs every tile of up to 6 rows of
+// x over it with 6 x 4 sixteen-lane accumulators: per input pair, 4 loads of weights and 6 broadcasts
+// of x's pair feed 24 dot products. The panel (K / 2 * 256 bytes) stays in L2 for all the tiles.
 #include "aten.h"
 
 #include <algorithm>
@@ -28,28 +27,39 @@ constexpr int64_t kTileRows = 6;
 #define PAGEDSERVE_BF16_DOT 1
 using pagedserve::bf16;
 
-// y[m0 .. m0 + R, 16 n0g .. 16 (n0g + V)) from groups [n0g, n0g + V) of the packed weight
+// y[m0 .. m0 + R, 16 n0g .. 16 (n0g + V)) from groups [n0g, n0g + V) of the packed weight, in oneDNN's
+// order (simd.h): the registers sum one chunk of inputs from zero; the chunks before it wait in `done`
 template <int R, int V>
 void tile(const bf16* x, const bf16* w, bf16* y, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
   __m512 acc[R][V];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2;
+  alignas(64) float done[R][V][kGroup];
+  const int64_t pairs = K / 2, chunk = pagedserve::onednn_bf16_chunk(K) / 2;
   const bf16* wg = w + n0g * pairs * 2 * kGroup;
   const bf16* xr = x + m0 * K;
-  for (int64_t j = 0; j < pairs; ++j) {
-    __m512bh wv[V];
-    for (int v = 0; v < V; ++v)
-      wv[v] = (__m512bh)_mm512_loadu_si512(wg + (v * pairs + j) * 2 * kGroup);
-    for (int i = 0; i < R; ++i) {
-      int32_t two;
-      std::memcpy(&two, xr + i * K + 2 * j, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(two);
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+  for (int64_t j0 = 0; j0 < pairs; j0 += chunk) {
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < V; ++v) {
+        if (j0 == chunk) _mm512_store_ps(done[i][v], acc[i][v]);
+        else if (j0 > chunk) _mm512_store_ps(done[i][v], _mm512_add_ps(_mm512_load_ps(done[i][v]), acc[i][v]));
+        acc[i][v] = _mm512_setzero_ps();
+      }
+    for (int64_t j = j0, j1 = std::min(pairs, j0 + chunk); j < j1; ++j) {
+      __m512bh wv[V];
+      for (int v = 0; v < V; ++v)
+        wv[v] = (__m512bh)_mm512_loadu_si512(wg + (v * pairs + j) * 2 * kGroup);
+      for (int i = 0; i < R; ++i) {
+        int32_t two;
+        std::memcpy(&two, xr + i * K + 2 * j, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(two);
+        for (int v = 0; v < V; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, wv[v]);
+      }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int v = 0; v < V; ++v) pagedserve::store16(y + (m0 + i) * N + (n0g + v) * kGroup, acc[i][v]);
+    for (int v = 0; v < V; ++v) {
+      if (pairs > chunk) acc[i][v] = _mm512_add_ps(_mm512_load_ps(done[i][v]), acc[i][v]);
+      pagedserve::store16(y + (m0 + i) * N + (n0g + v) * kGroup, acc[i][v]);
+    }
 }
 
 template <int V>

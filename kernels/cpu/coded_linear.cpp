@@ -20,9 +20,11 @@
 // bfloat16 x and y (a bfloat16 model whose weights are these codes expanded, then rounded to
 // bfloat16): the expansion rounds each weight to bfloat16 as well, so the kernel multiplies the
 // model's very bfloat16 weights by bfloat16 inputs; each product is exact in float32 and the sum is
-// float32, as in oneDNN's bfloat16 GEMM, only in another order. y is rounded once at the end. Where
-// the CPU has AVX512-BF16, up to 4 rows pair the rounded weights and sum with its dot product, in
-// kernels/cpu/bf16_linear.cpp's order (the same bits as that kernel).
+// float32, as in oneDNN's bfloat16 GEMM. y is rounded once at the end. Where the CPU has AVX512-BF16,
+// up to 4 rows pair the rounded weights and sum with its dot product in oneDNN's order (simd.h), as
+// kernels/cpu/bf16_linear.cpp does: `F.linear`'s bits. Elsewhere (more rows, or no AVX512-BF16) the
+// FMA chain over k in order: an output can be one bfloat16 step from `F.linear`'s where the float32
+// sum sits by a rounding boundary.
 #include "aten.h"
 
 #include <algorithm>
@@ -281,9 +283,9 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
 #define PAGEDSERVE_CODES_BF16_DOT 1
 // bfloat16 x and y, M <= kDirectRows: the weights of inputs 2j and 2j + 1 rounded to bfloat16, paired
 // lane by lane (W[l, 2j] in the low half, W[l, 2j + 1] in the high one) and multiplied by x's pairs with
-// VDPBF16PS, one instruction for two inputs. Over j front to back from zero, as kernels/cpu/bf16_linear.cpp
-// sums: the codes route gives that kernel's bits for the same bfloat16 weights, so a row's result does
-// not depend on which of the two routes its step took.
+// VDPBF16PS, one instruction for two inputs. Summed in oneDNN's order (pagedserve::onednn_bf16_chunk),
+// as kernels/cpu/bf16_linear.cpp sums: `F.linear`'s bits for the same bfloat16 weights, so a row's
+// result does not depend on which of the two routes its step took.
 inline __m512bh pair_bf16(__m512 even, __m512 odd) {
   // cvtne2ps: odd's 16 values in the high 256 bits, even's in the low; then interleave the halves
   const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
@@ -294,18 +296,24 @@ inline __m512bh pair_bf16(__m512 even, __m512 odd) {
 
 template <int M>
 void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64_t N) {
-  const int64_t K = w.K;
-  __m512 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t K = w.K, chunk = pagedserve::onednn_bf16_chunk(K) / 2;
+  __m512 acc[M], done[M];   // the sum of the current chunk of input pairs, and of the chunks before it
+  for (int r = 0; r < M; ++r) acc[r] = done[r] = _mm512_setzero_ps();
   expand_pairs(w, g, [&](int64_t j, __m512 even, __m512 odd) {
     const __m512bh pair = pair_bf16(even, odd);
+    if (j > 0 && j % chunk == 0)
+      for (int r = 0; r < M; ++r) {
+        done[r] = j == chunk ? acc[r] : _mm512_add_ps(done[r], acc[r]);
+        acc[r] = _mm512_setzero_ps();
+      }
     for (int r = 0; r < M; ++r) {
       int32_t two;
       std::memcpy(&two, x + r * K + 2 * j, 4);
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(two), pair);
     }
   });
-  for (int r = 0; r < M; ++r) pagedserve::store16(y + r * N + g * kGroup, acc[r]);
+  for (int r = 0; r < M; ++r)
+    pagedserve::store16(y + r * N + g * kGroup, K / 2 > chunk ? _mm512_add_ps(done[r], acc[r]) : acc[r]);
 }
 #endif
 

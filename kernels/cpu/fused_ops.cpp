@@ -4,9 +4,9 @@
 // In torch each is 3-12 separate operations, each a pass over its tensor and a dispatch; for a
 // decode step of a few sequences the dispatches cost more than the arithmetic. The arithmetic is
 // torch's own, in the same order per element: x * rsqrt(mean(x^2) + eps) * w, q * cos + rot(q) * sin,
-// gate / (1 + exp(-gate)) * up. Only the sum of squares is accumulated in another order (and
-// expf may differ from torch's vectorized exp in the last bit), so the results agree with torch's to
-// float32 rounding. Products and sums are not contracted into FMAs, as torch's separate ops are not.
+// gate / (1 + exp(-gate)) * up. The sum of squares adds in torch's order (torch_sum_of_squares); expf
+// may differ from torch's vectorized exp in the last bit, so the results agree with torch's to float32
+// rounding. Products and sums are not contracted into FMAs, as torch's separate ops are not.
 //
 // In bfloat16 every function rounds where transformers' bfloat16 forward rounds (each torch operation
 // writes bfloat16; RMSNorm works in float32 and rounds before the weight), with float32 arithmetic in
@@ -34,18 +34,56 @@ using pagedserve::from_float;
 using pagedserve::rounded;
 using pagedserve::to_float;
 
+// The sum of x[i]^2 over a row as torch's `x.pow(2).mean(-1)` adds it in float32 (its inner sum,
+// aten/src/ATen/native/cpu/SumKernel.cpp, whose kernels run on eight-lane vectors on x86 even where the
+// CPU has AVX-512): the row as vectors of 8, vector v in accumulator v % 4 (ilp), each accumulator a
+// cascade of levels that takes 2^power vectors at a time; leftover vectors into the first accumulator,
+// the four added in order; then, from zero, the leftover elements and the eight lanes in order.
+template <typename T>
+float torch_sum_of_squares(const T* x, int64_t n) {
+  constexpr int kLanes = 8, kIlp = 4, kLevels = 4;
+  const int64_t vectors = n / kLanes, size = vectors / kIlp;
+  int64_t ceil_log2 = 1;
+  while ((int64_t{1} << ceil_log2) < size) ++ceil_log2;
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / kLevels), step = int64_t{1} << power, mask = step - 1;
+  float acc[kLevels][kIlp][kLanes] = {};
+  auto add_vector = [&](float* into, int64_t v) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float e = to_float(x[v * kLanes + l]);
+      into[l] += e * e;
+    }
+  };
+  int64_t i = 0;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int l = 0; l < kLanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.f;
+        }
+      if (i & (mask << (j * power))) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], i * kIlp + k);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < kLanes; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = size * kIlp; v < vectors; ++v) add_vector(acc[0][0], v);
+  for (int k = 1; k < kIlp; ++k)
+    for (int l = 0; l < kLanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float sum = 0.f;
+  for (int64_t e = vectors * kLanes; e < n; ++e) sum += to_float(x[e]) * to_float(x[e]);
+  for (int l = 0; l < kLanes; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  // sixteen running sums, one per lane, so that the compiler keeps them in one vector register
-  float lanes[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lanes[j] += to_float(x[i + j]) * to_float(x[i + j]);
-  float sum = 0.f;
-  for (int j = 0; j < 16; ++j) sum += lanes[j];
-  for (; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * rounded<T>(to_float(x[i]) * inv));
+  const float inv = 1.f / std::sqrt(torch_sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(w[i]) * rounded<T>(to_float(x[i]) * inv));
 }
 
 template <typename T> T* data(const at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }

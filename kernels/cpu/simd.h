@@ -40,6 +40,14 @@ template <> inline bf16 from_float<bf16>(float x) {
 // x rounded to T and widened back: what a torch operation writing T hands to the next one
 template <typename T> inline float rounded(float x) { return to_float(from_float<T>(x)); }
 
+// How oneDNN's bfloat16 GEMM sums an output over K on AVX512-BF16 without AMX (its brgemm matmul,
+// the route of torch's `F.linear` in bfloat16; v3.12's blocking for a row-major x): K in chunks of
+// this many inputs, each chunk's float32 sum from zero over the input pairs front to back as
+// VDPBF16PS takes them, the chunks' sums added front to back in float32, one rounding at the end.
+// It does not depend on the row count or on the threads. The bfloat16 kernels sum in this order so
+// that their outputs are `F.linear`'s bit for bit.
+inline int64_t onednn_bf16_chunk(int64_t K) { return K > 1024 ? 1024 : 512; }
+
 }  // namespace pagedserve
 
 #if defined(__AVX512F__)
