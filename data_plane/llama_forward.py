@@ -11,8 +11,9 @@ runs the same arithmetic on the flattened [tokens, ...] rows of a step with fewe
 - RMSNorm, rotary embedding, SiLU and the residual adds are transformers' own operations in the
   same order and the same types (in bfloat16: the norm in float32, rounded where transformers rounds;
   the rotary cos/sin come from the model's own rotary module), so the numbers match transformers'
-  forward up to the products' summation order, as with the routed linear layers (in bfloat16 the
-  packed GEMM gives F.linear's very bits);
+  forward up to the products' summation order, as with the routed linear layers (in bfloat16 every
+  route gives F.linear's very bits where the CPU has AVX512-BF16, and the norm sums in torch's order:
+  then the attention's products are what differs, ops/attention.py);
 - attention is the data plane's paged attention (ops/attention.py), called directly.
 
 Only models whose every layer is the plain Llama block qualify (`build` says why not otherwise);
