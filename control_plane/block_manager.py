@@ -331,12 +331,16 @@ class BlockManager:
             return 0
         # never the block holding the last token: it must be computed, and never written when shared
         max_blocks = (len(token_ids) - 1) // self.block_size
-        chain = list(chain_block_hashes(token_ids, self.block_size, max_blocks))
+        # the chain's hashes, made as far as a lookup needs them (a full group stops at its first miss)
+        links, chain = chain_block_hashes(token_ids, self.block_size, max_blocks), []
         usable = [True] * (max_blocks + 1)       # usable[k]: every group serves a prefix of k blocks
         found = [[None] * max_blocks for _ in self.reaches]   # found[g][i]: group g's cached block i
         for g, reach in enumerate(self.reaches):
             run_start = 0                        # first block of the run of cached blocks ending at i
-            for i, block_hash, key in chain:
+            for i in range(max_blocks):
+                if i == len(chain):
+                    chain.append(next(links))
+                _, block_hash, key = chain[i]
                 block = found[g][i] = self.pool.lookup(*self._group_key(g, block_hash, key))
                 if block is None:
                     if not reach:                # every later prefix would need this block

@@ -66,6 +66,11 @@ class Layout:
     def num_groups(self) -> int:
         return len(self.reaches)
 
+    @property
+    def windowed(self) -> bool:
+        """Whether some group reads a bounded window: its blocks that left it are freed (-1 in tables)."""
+        return any(self.reaches)
+
 
 def layout(layer_reaches: dict[int, int | None], num_layers: int) -> Layout:
     """The pool's layout for the attention layers (`layer_reaches`: layer index -> its window or chunk,

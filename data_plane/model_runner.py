@@ -144,9 +144,6 @@ class ModelRunner:
         self.num_kv_layers = len(attending)
         self.layout = model_support.pool_layout(model)
         self.kv_slabs = self.layout.slabs
-        # > 0: one group, whose layers read at most this far back: the control plane frees blocks outside
-        # this window; their table entries come as -1 (so do those of a sliding group's, with groups)
-        self.sliding_window = self.layout.reaches[0] if self.layout.num_groups == 1 else 0
         if support.state_shapes and config.tensor_parallel_size > 1:
             raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: a model with state layers "
                               "(layers " + ", ".join(map(str, sorted(support.state_shapes))) + ") is served on one "
@@ -214,18 +211,21 @@ class ModelRunner:
         device = str(self.device)
         if self.device.type == "cuda":
             device += f" ({torch.cuda.get_device_name(self.device)})"
+        # one group: its reach as the sliding window (0: none); several: each group's (data_plane/kv_pool.py).
+        # The control plane frees blocks outside a window; their table entries come as -1
+        one = self.layout.num_groups == 1
         return Handshake(self.model_id, self.vocab_size, self.layout.num_slabs, self.num_kv_heads, self.head_dim,
                          str(self.dtype).removeprefix("torch."), self.block_size, self.num_blocks,
                          self.swap.num_blocks,
-                         self.max_model_len, device, eos_ids, sliding_window=self.sliding_window,
+                         self.max_model_len, device, eos_ids, sliding_window=self.layout.reaches[0] if one else 0,
                          num_state_slots=self.states.num_slots if self.states is not None else 0,
-                         group_reaches=self.layout.reaches if self.layout.num_groups > 1 else [])
+                         group_reaches=[] if one else self.layout.reaches)
 
     # --- plan bookkeeping -------------------------------------------------------------
     def _check_blocks(self, block_ids, table: bool = False) -> None:
         """Every id in range; a whole table sent with a sequence may also hold FREED_BLOCK_ID (-1) for
         blocks that left a sliding window (only when the model has one: _prepare checks where)."""
-        freed_ok = table and any(self.layout.reaches)
+        freed_ok = table and self.layout.windowed
         for b in block_ids:
             if not 0 <= b < self.num_blocks and not (freed_ok and b == FREED_BLOCK_ID):
                 raise PlanError(f"block id {b} out of range [0, {self.num_blocks})")
@@ -321,7 +321,7 @@ class ModelRunner:
         input_ids, positions, seq_lens, starts, rows, sample_rows = [], [], [], [0], [], []
         state_seqs = []
         max_blocks = 1
-        bs, groups, windowed = self.block_size, self.layout.num_groups, any(self.layout.reaches)
+        bs, groups, windowed = self.block_size, self.layout.num_groups, self.layout.windowed
         slots = [[] for _ in range(groups)]   # per group, where each new token's K/V goes
         for seq_id, num_new in scheduled:
             st = self.seqs[seq_id]
