@@ -1,0 +1,142 @@
+"""This checkout's CPU kernels against those of another git revision, alternating in one process.
+
+    python bench/kernels_ab.py --before HEAD~2            # attention and the 120 coded products
+    python bench/kernels_ab.py --before 8a47f95 --only attention
+
+The revision's kernels/cpu/ is built into the torch extension cache under its own name (a minute the
+first time). Then, repetition by repetition, the two builds take the same inputs, so that a change in
+the machine's load hits both alike; medians are printed with after/before, and every pair of outputs
+must be equal bit for bit (a change to speed must not change results):
+  attention  paged decode over 30 layers of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64),
+             blocks shuffled over a pool, float32 and bfloat16, a grid of rows x context;
+  products   every layer product of SmolLM2's lean forward through the GGUF codes (float32), at a few
+             row counts (the model is loaded as the data plane loads it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as C  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRID = [(1, 128), (1, 512), (8, 128), (64, 64), (64, 128), (64, 256)]
+LAYERS, BLOCK, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
+
+
+def build_revision(rev: str):
+    """The kernels of git revision `rev`, built under a name of their own, loaded."""
+    from torch.utils.cpp_extension import load as build_extension
+    from ops import cpu_kernels
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=10", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    folder = os.path.join(tempfile.gettempdir(), f"pagedserve-kernels-{sha}")
+    os.makedirs(folder, exist_ok=True)
+    archive = subprocess.run(["git", "-C", ROOT, "archive", sha, "kernels/cpu"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    sources = [os.path.join(folder, "kernels", "cpu", os.path.basename(s)) for s in cpu_kernels.SOURCES]
+    print(f"building the kernels of {rev} ({sha}) ...", flush=True)
+    return build_extension(f"pagedserve_cpu_kernels_rev_{sha}", sources, extra_cflags=["-O3", "-fopenmp", "-march=native"],
+                           extra_ldflags=["-fopenmp"], verbose=False), sha
+
+
+def alternate(before, after, run, repeats: int) -> tuple[float, float]:
+    """Median seconds of run(module) for each build, alternating; their results must be equal."""
+    import torch
+    times = {id(before): [], id(after): []}
+    for _ in range(repeats):
+        results = []
+        for module in (before, after):
+            started = time.perf_counter()
+            results.append(run(module))
+            times[id(module)].append(time.perf_counter() - started)
+        if not all(torch.equal(a, b) for a, b in zip(results[0], results[1])):
+            raise SystemExit("the two builds gave different results")
+    return statistics.median(times[id(before)]), statistics.median(times[id(after)])
+
+
+def attention(before, after, repeats: int) -> None:
+    import torch
+    from ops.attention import kernel_rows
+    print(f"\npaged decode, {LAYERS} layers, blocks shuffled; ms (median of {repeats})")
+    print(f"{'dtype':9} {'rows':>4} {'context':>7} {'before':>8} {'after':>8} {'after/before':>12}")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        num_blocks = max(rows * ctx for rows, ctx in GRID) // BLOCK * 2
+        pool = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        for rows, ctx in GRID:
+            tables = torch.randperm(num_blocks, generator=gen)[: rows * ctx // BLOCK].view(rows, -1).to(torch.int32)
+            query = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
+            work = kernel_rows(torch.arange(rows + 1, dtype=torch.int32), torch.full((rows,), ctx, dtype=torch.int32),
+                               tables)
+
+            def run(module):
+                outs = []
+                for layer in range(LAYERS):
+                    out = torch.empty_like(query)
+                    module.paged_decode(out, query, pool[layer, 0], pool[layer, 1], work.tables, work.lens, work.tokens,
+                                        HEAD_DIM ** -0.5, 0, 0.0, None, None, 0, None, 0)
+                    outs.append(out)
+                return outs
+            b, a = alternate(before, after, run, repeats)
+            print(f"{str(dtype)[6:]:9} {rows:>4} {ctx:>7} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
+
+
+def products(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
+    import torch
+    from data_plane.model_runner import ModelRunner
+    from shared.config import DataPlaneConfig, default_model_path
+    model = C.load_hf_model(num_threads, device="cpu")
+    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://kernels-ab",
+                                                kv_cache_blocks=16), torch.device("cpu"))
+    layers = [lin for lin in runner.lean.linears() if lin.codes is not None]
+    print(f"\nthe {len(layers)} layer products through the GGUF codes, float32; ms (median of {repeats})")
+    print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")
+    gen = torch.Generator().manual_seed(1)
+    for rows in rows_list:
+        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen) for lin in layers}
+
+        def run(module):
+            return [module.coded_linear(inputs[lin.weight.shape[1]], lin.codes.codes, lin.codes.scales, lin.codes.mins)
+                    for lin in layers]
+        b, a = alternate(before, after, run, repeats)
+        print(f"{rows:>4} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="a git revision whose kernels/cpu/ is the baseline")
+    ap.add_argument("--only", choices=("attention", "products"))
+    ap.add_argument("--rows", default="1,4,64", help="row counts of the products")
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--num-threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    import torch
+    from ops import cpu_kernels
+    torch.set_num_threads(args.num_threads)
+    print(C.machine_line(args.num_threads))
+    after = cpu_kernels.load()
+    if after is None:
+        print(f"not run: this checkout's kernels did not build ({cpu_kernels.failure()})")
+        return 1
+    before, sha = build_revision(args.before)
+    print(f"before: {args.before} ({sha}); after: this checkout's kernels/cpu/")
+    with torch.inference_mode():
+        if args.only in (None, "attention"):
+            attention(before, after, args.repeats)
+        if args.only in (None, "products"):
+            products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
