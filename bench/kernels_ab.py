@@ -8,7 +8,8 @@ first time). Then, repetition by repetition, the two builds take the same inputs
 the machine's load hits both alike; medians are printed with after/before, and every pair of outputs
 must be equal bit for bit (a change to speed must not change results):
   attention  paged decode over 30 layers of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64),
-             blocks shuffled over a pool, float32 and bfloat16, a grid of rows x context;
+             blocks shuffled over a pool, float32 and bfloat16, a grid of rows x context (every row
+             at that context, or contexts spread around it);
   products   every layer product of SmolLM2's lean forward through the GGUF codes (float32), at a few
              row counts (the model is loaded as the data plane loads it).
 """
@@ -29,7 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRID = [(1, 128), (1, 512), (8, 128), (64, 64), (64, 128), (64, 256)]
+# (rows, context, spread): with spread, each row's context is drawn from 8 .. 2 x context - 8, as a
+# step's rows differ
+GRID = [(1, 128, False), (1, 512, False), (8, 128, False), (64, 64, False), (64, 128, False), (64, 256, False),
+        (8, 128, True), (64, 128, True), (64, 256, True)]
 LAYERS, BLOCK, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 
 
@@ -68,16 +72,17 @@ def attention(before, after, repeats: int) -> None:
     import torch
     from ops.attention import kernel_rows
     print(f"\npaged decode, {LAYERS} layers, blocks shuffled; ms (median of {repeats})")
-    print(f"{'dtype':9} {'rows':>4} {'context':>7} {'before':>8} {'after':>8} {'after/before':>12}")
+    print(f"{'dtype':9} {'rows':>4} {'context':>9} {'before':>8} {'after':>8} {'after/before':>12}")
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        num_blocks = max(rows * ctx for rows, ctx in GRID) // BLOCK * 2
+        num_blocks = max(rows * ctx for rows, ctx, _ in GRID) // BLOCK * 4
         pool = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        for rows, ctx in GRID:
-            tables = torch.randperm(num_blocks, generator=gen)[: rows * ctx // BLOCK].view(rows, -1).to(torch.int32)
+        for rows, ctx, spread in GRID:
+            lens = torch.randint(8, 2 * ctx - 7, (rows,), generator=gen) if spread else torch.full((rows,), ctx)
+            width = -(-int(lens.max()) // BLOCK)
+            tables = torch.randperm(num_blocks, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
             query = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
-            work = kernel_rows(torch.arange(rows + 1, dtype=torch.int32), torch.full((rows,), ctx, dtype=torch.int32),
-                               tables)
+            work = kernel_rows(torch.arange(rows + 1, dtype=torch.int32), lens.to(torch.int32), tables)
 
             def run(module):
                 outs = []
@@ -88,7 +93,8 @@ def attention(before, after, repeats: int) -> None:
                     outs.append(out)
                 return outs
             b, a = alternate(before, after, run, repeats)
-            print(f"{str(dtype)[6:]:9} {rows:>4} {ctx:>7} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
+            label = f"8-{2 * ctx - 8}" if spread else str(ctx)
+            print(f"{str(dtype)[6:]:9} {rows:>4} {label:>9} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
 
 
 def products(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
