@@ -16,7 +16,6 @@ must be equal bit for bit (a change to speed must not change results):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -39,7 +38,6 @@ LAYERS, BLOCK, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 
 def build_revision(rev: str):
     """The kernels of git revision `rev`, built under a name of their own, loaded."""
-    from torch.utils.cpp_extension import load as build_extension
     from ops import cpu_kernels
     sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=10", rev], check=True, capture_output=True,
                          text=True).stdout.strip()
@@ -49,23 +47,22 @@ def build_revision(rev: str):
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
     sources = [os.path.join(folder, "kernels", "cpu", os.path.basename(s)) for s in cpu_kernels.SOURCES]
     print(f"building the kernels of {rev} ({sha}) ...", flush=True)
-    return build_extension(f"pagedserve_cpu_kernels_rev_{sha}", sources, extra_cflags=["-O3", "-fopenmp", "-march=native"],
-                           extra_ldflags=["-fopenmp"], verbose=False), sha
+    return cpu_kernels.build(f"pagedserve_cpu_kernels_rev_{sha}", sources), sha
 
 
 def alternate(before, after, run, repeats: int) -> tuple[float, float]:
     """Median seconds of run(module) for each build, alternating; their results must be equal."""
     import torch
-    times = {id(before): [], id(after): []}
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         results = []
-        for module in (before, after):
+        for module, spent in zip((before, after), times):
             started = time.perf_counter()
             results.append(run(module))
-            times[id(module)].append(time.perf_counter() - started)
-        if not all(torch.equal(a, b) for a, b in zip(results[0], results[1])):
+            spent.append(time.perf_counter() - started)
+        if not all(torch.equal(a, b) for a, b in zip(*results)):
             raise SystemExit("the two builds gave different results")
-    return statistics.median(times[id(before)]), statistics.median(times[id(after)])
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def attention(before, after, repeats: int) -> None:
@@ -99,11 +96,7 @@ def attention(before, after, repeats: int) -> None:
 
 def products(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
     import torch
-    from data_plane.model_runner import ModelRunner
-    from shared.config import DataPlaneConfig, default_model_path
-    model = C.load_hf_model(num_threads, device="cpu")
-    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://kernels-ab",
-                                                kv_cache_blocks=16), torch.device("cpu"))
+    runner = C.default_runner(num_threads, "inproc://kernels-ab", kv_cache_blocks=16)
     layers = [lin for lin in runner.lean.linears() if lin.codes is not None]
     print(f"\nthe {len(layers)} layer products through the GGUF codes, float32; ms (median of {repeats})")
     print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")

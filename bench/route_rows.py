@@ -28,12 +28,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from data_plane.model_runner import ModelRunner
-    from shared.config import DataPlaneConfig, default_model_path
     print(C.machine_line(args.num_threads))
-    model = C.load_hf_model(args.num_threads, device="cpu")
-    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://routes", dtype="bfloat16",
-                                                kv_cache_blocks=16), torch.device("cpu"))
+    runner = C.default_runner(args.num_threads, "inproc://routes", "bfloat16", kv_cache_blocks=16)
     from ops import linear
     layers = runner.lean.linears()
     if any(lin.codes is None for lin in layers):

@@ -32,24 +32,18 @@ def main(argv=None) -> int:
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
-    import torch
 
     from control_plane.block_manager import BlockManager
     from control_plane.sampling_params import SamplingParams
     from control_plane.scheduler import Finish, Scheduler
     from control_plane.sequence import Sequence
-    from data_plane import attention
-    from data_plane.model_runner import ModelRunner
-    from shared.config import ControlPlaneConfig, DataPlaneConfig, default_model_path
+    from shared.config import ControlPlaneConfig
     trace = exp64_trace(args.num_requests, args.seed) if args.workload == "exp64" else \
         C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload, (C.PROMPT_RANGE[0], 256),
                      (C.OUTPUT_RANGE[0], 512))
     print(C.machine_line(args.num_threads))
     print(f"trace: {args.workload}, {C.describe_trace(trace)}, {args.dtype}")
-    model = C.load_hf_model(args.num_threads, attn_implementation=attention.register(), device="cpu")
-    # float32 as loaded: the runner narrows it to --dtype, after finding its GGUF codes (as load_model does)
-    runner = ModelRunner(model, DataPlaneConfig(model=default_model_path(), listen="inproc://mix", dtype=args.dtype),
-                         torch.device("cpu"))
+    runner = C.default_runner(args.num_threads, "inproc://mix", args.dtype)
     cp = ControlPlaneConfig   # the class attributes are the defaults
     sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True),
                       cp.max_num_seqs, cp.max_num_batched_tokens)

@@ -59,15 +59,21 @@ def failure() -> str | None:
     return _state.get("failure")
 
 
+def build(name: str, sources: list[str]):
+    """The extension module built from `sources` under `name` (torch's builder, its cache), with this
+    project's flags; raises where the build fails."""
+    from torch.utils.cpp_extension import load as build_extension
+    flags = ["-O3", "-fopenmp"]
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS_NATIVE", "1") != "0":
+        flags.append("-march=native")   # AVX2/FMA paths where the CPU has them
+    return build_extension(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+
+
 def _build():
     try:
-        from torch.utils.cpp_extension import load as build_extension
-        flags = ["-O3", "-fopenmp"]
-        if os.environ.get("PAGEDSERVE_CPU_KERNELS_NATIVE", "1") != "0":
-            flags.append("-march=native")   # AVX2/FMA paths where the CPU has them
         _remove_stale_lock()
         started = time.perf_counter()
-        module = build_extension(NAME, SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        module = build(NAME, SOURCES)
         log.info("CPU kernels ready in %.1f s (vectorized: %s)", time.perf_counter() - started,
                  module.vectorized())
         return module, None
