@@ -75,6 +75,13 @@ class SamplingParams:
         """Token ids that end a sequence: eos ids join the stop ids unless ignore_eos."""
         return list(self.stop_token_ids) + ([] if self.ignore_eos else list(eos_token_ids))
 
+    def _spec_logprobs(self) -> int:
+        """The data plane's logprobs: the alternatives asked for; -1 where no token's log-prob is used
+        (not asked for, and no best_of ranking by the sum of them)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.best_of > self.n else -1
+
     def spec(self, eos_token_ids: list[int], draw: int = 0) -> SamplingSpec:
         """What the data plane's sampler needs for the draw-th sample of this request."""
         stop_ids = self.stop_ids(eos_token_ids)
@@ -85,7 +92,7 @@ class SamplingParams:
         first_draws = self.best_of if draw == 0 else 1
         return SamplingSpec(self.temperature, self.top_k, self.top_p, self.min_p, draw_seed(self.seed, draw),
                             self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
-                            self.min_tokens, stop_ids, self.logprobs or 0, first_draws, 0,
+                            self.min_tokens, stop_ids, self._spec_logprobs(), first_draws, 0,
                             list(self.logit_bias), list(self.allowed_token_ids), list(self.bad_words_ids),
                             # the first sample computes the prompt; the others fork after it
                             self.prompt_logprobs if draw == 0 else None)

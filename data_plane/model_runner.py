@@ -7,6 +7,7 @@ now all computed. The runner makes no scheduling decision: it does what the plan
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from data_plane import attention, block_tables, decode_graphs, kv_pool, llama_fo
 from data_plane.state_pool import DEFAULT_NUM_SLOTS, StatePool, StateStep
 from data_plane.swap import SwapPool
 from ops import attention as attention_ops
+from ops import cpu_kernels, greedy_head
 from ops import linear as linear_ops
 from ops import quantized
 from ops import warmup
@@ -91,6 +93,14 @@ class ModelRunner:
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
+        # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): float32 CPU, one rank
+        self.greedy_head = greedy_head.build(self.final_logits, cpu_kernels.load()) \
+            if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
+        self.greedy_rows = self.greedy_exact_logits = 0   # rows it served, logits it computed exactly
+        if self.greedy_head is not None:
+            log.info("greedy head: greedy rows that ask for no log-prob take their token from an int8 first pass "
+                     "and the exact logits of its few candidates (%.1f MiB laid out for AVX512-VNNI)",
+                     self.greedy_head.nbytes / 2**20)
         self.graphs = None
         # (not for state layers: their per-sequence forward is not captured; nor with layer groups, whose tables
         # the graphs do not hold: so the graphs' steps run on a pool whose slab of a layer is the layer's index)
@@ -426,7 +436,7 @@ class ModelRunner:
         if not sample_rows:
             return [], ids.shape[1], prompt_scores
         rows = torch.tensor([r for _, r in sample_rows], device=self.device)
-        logits = self.final_logits(hidden.index_select(0, rows))
+        hidden_rows = hidden.index_select(0, rows)
         sample_inputs = []
         for seq_id, _ in sample_rows:
             st = self.seqs[seq_id]
@@ -434,9 +444,30 @@ class ModelRunner:
             sample_inputs.append(sampler.SampleRow(st.sampling, st.token_ids, st.num_prompt_tokens,
                                                    st.sampling.n if first else 1, (masks or {}).get(seq_id)))
         result = []
-        for (seq_id, _), draws in zip(sample_rows, self.sample(logits, sample_inputs)):
+        for (seq_id, _), draws in zip(sample_rows, self._draw(hidden_rows, sample_inputs)):
             st = self.seqs[seq_id]
             if not st.sampling.beam_width:   # a beam's next token is chosen by the control plane
                 st.token_ids.append(draws[0].token_id)
             result.extend(SampledToken(seq_id, d.token_id, d.logprob, d.top_logprobs) for d in draws)
         return result, ids.shape[1], prompt_scores
+
+    def _draw(self, hidden_rows: torch.Tensor, inputs: list[sampler.SampleRow]) -> list[list[sampler.SampleOutput]]:
+        """Per sampled row its draws: a row that needs only its argmax from the greedy head where there is
+        one (its log-prob, which nobody asked for, NaN), the others from the logits and the sampler."""
+        draws: list = [None] * len(inputs)
+        quick = [i for i, row in enumerate(inputs) if sampler.argmax_only(row)] if self.greedy_head else []
+        if quick:
+            index = torch.tensor(quick, device=self.device)
+            tokens, counts = self.greedy_head.tokens(hidden_rows.index_select(0, index))
+            self.greedy_rows += sum(t >= 0 for t in tokens)
+            self.greedy_exact_logits += sum(counts)
+            for i, token in zip(quick, tokens):
+                if token >= 0:
+                    draws[i] = [sampler.SampleOutput(token, math.nan, [])]
+        rest = [i for i, d in enumerate(draws) if d is None]
+        if rest:
+            part = hidden_rows if len(rest) == len(inputs) else \
+                hidden_rows.index_select(0, torch.tensor(rest, device=self.device))
+            for i, d in zip(rest, self.sample(self.final_logits(part), [inputs[i] for i in rest])):
+                draws[i] = d
+        return draws

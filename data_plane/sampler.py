@@ -151,14 +151,27 @@ def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     return best, index, torch.logsumexp(logits, dim=-1)
 
 
+def needs_processing(row: SampleRow) -> bool:
+    """Whether a penalty, a min_tokens ban or a logits adjustment changes the row's logits."""
+    spec = row.spec
+    return spec.repetition_penalty != 1.0 or bool(spec.presence_penalty or spec.frequency_penalty) \
+        or row.num_outputs < spec.min_tokens or spec.adjusts_logits
+
+
+def argmax_only(row: SampleRow) -> bool:
+    """Whether all the row needs is the first index of its largest raw logit: one greedy draw, no
+    log-prob asked for (logprobs -1), nothing changing its logits, not a beam's."""
+    spec = row.spec
+    return spec.temperature == 0.0 and spec.logprobs < 0 and not spec.beam_width and row.num_draws == 1 \
+        and row.token_mask is None and not needs_processing(row)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutput]]:
     """logits: [rows, vocab] in any float dtype; one SampleRow per logits row; per row, its draws."""
     logits = logits.float()
-    needs_processing = [r.spec.repetition_penalty != 1.0 or r.spec.presence_penalty or r.spec.frequency_penalty
-                        or r.num_outputs < r.spec.min_tokens or r.spec.adjusts_logits for r in rows]
     apply_token_masks(logits, rows)
     for i, row in enumerate(rows):
-        if needs_processing[i]:
+        if needs_processing(row):
             logits[i] = apply_penalties(logits[i].clone(), row)
     best, greedy, lse = greedy_logsumexp(logits)
     greedy_logprob, greedy = (best - lse).tolist(), greedy.tolist()

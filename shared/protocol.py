@@ -167,7 +167,9 @@ class SamplingSpec:
     repetition_penalty: float = 1.0   # HF-style, over prompt and generated tokens
     min_tokens: int = 0               # ban the stop token ids until this many tokens are generated
     stop_token_ids: list[int] = field(default_factory=list)  # banned while below min_tokens
-    logprobs: int = 0                 # how many top log-probabilities to return per token (0: none)
+    # how many top log-probabilities to return per token; 0: only the chosen token's; -1: not even
+    # that (its SampledToken.logprob is then NaN: a greedy row may skip most logits, ops/greedy_head.py)
+    logprobs: int = 0
     n: int = 1                        # draws for the first output token (parallel sampling forks after it)
     beam_width: int = 0               # > 0: a beam; the control plane picks and sends each next token
     # per-sequence logits adjustments (OpenAI's logit_bias, vLLM's allowed_token_ids and bad_words)

@@ -35,7 +35,7 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
          mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
          sliding_window: int = 0, num_state_slots: int = 0, samples: dict[int, int] | None = None,
-         group_reaches: list[int] | None = None) -> Played:
+         group_reaches: list[int] | None = None, logprobs: int | None = 0) -> Played:
     """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
     number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
@@ -43,7 +43,9 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     leave the window. Checks the pool's integrity
     after every step and that no block leaked at the end. `samples`: prompt index -> n, parallel samples
     of that prompt (its first step draws n tokens; samples 1 .. n - 1 fork from the first, as the output
-    processor's Fork decisions do, sharing its blocks and copying its state)."""
+    processor's Fork decisions do, sharing its blocks and copying its state). `logprobs`: the requests'
+    (0: each drawn token's log-prob, checked by most tests; None: none asked for, so greedy rows may take
+    the greedy head and report NaN)."""
     num_blocks = runner.num_blocks if num_blocks is None else num_blocks
     block_size = runner.block_size if block_size is None else block_size
     if not group_reaches:   # the data plane's layer groups, if it has several: a table each, none freeing
@@ -52,7 +54,7 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
                       sliding_window=sliding_window, num_state_slots=num_state_slots, group_reaches=group_reaches)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
     samples = samples or {}
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, n=samples.get(i, 1))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, n=samples.get(i, 1), logprobs=logprobs)
               for i in range(len(prompts))]
     seqs = [Sequence(f"r{i}", list(p), len(p), params[i], params[i].spec([]), arrival_time=float(i))
             for i, p in enumerate(prompts)]

@@ -44,11 +44,11 @@ class Served:
 
 def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
           max_num_seqs: int = 3, budget: int = 16, free_window: bool = True, swap: bool = False,
-          samples: dict[int, int] | None = None) -> Served:
+          samples: dict[int, int] | None = None, logprobs: int | None = 0) -> Served:
     """Greedy decoding of every prompt (all queued at once, in order) on a pool of `num_blocks`;
     `free_window`: the block manager learns the window from the handshake, as the engine's does;
     `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed;
-    `samples`: prompt index -> n greedy parallel samples (forks of the first)."""
+    `samples`: prompt index -> n greedy parallel samples (forks of the first); `logprobs`: as play's."""
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
                              swap_blocks=num_blocks if swap else 0)
     runner = ModelRunner(model, config, torch.device("cpu"))
@@ -57,7 +57,7 @@ def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num
     played = play(runner, prompts, max_tokens, budget=budget, max_num_seqs=max_num_seqs,
                   sliding_window=window if free_window else 0, mode="swap" if swap else "recompute",
                   num_cpu_blocks=num_blocks if swap else 0, num_state_slots=handshake.num_state_slots,
-                  samples=samples,
+                  samples=samples, logprobs=logprobs,
                   group_reaches=handshake.group_reaches if free_window else [0] * len(handshake.group_reaches))
     outputs = [(tokens, logprobs[-max_tokens:]) for tokens, logprobs in zip(played.outputs, played.logprobs)]
     forks = [(i, (tokens, logprobs[-max_tokens:])) for i, tokens, logprobs in played.forks]

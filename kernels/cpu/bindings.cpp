@@ -21,6 +21,9 @@ at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::T
 bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed);
+bool has_q8_argmax();
+std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
+                                  at::Tensor absums);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {
@@ -53,5 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has bf16_linear (the AVX512-BF16 dot product)");
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");
   m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)");
+  m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI)");
+  m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (kernels/cpu/greedy_head.cpp)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

@@ -1,8 +1,11 @@
 """A model whose float32 weights are exactly GGUF codes expanded (Q4_1 layers and a Q8_0 output layer,
 as the default model's file) is served with the kernel that reads the codes, and still equals
 transformers' `generate` on the float32 model token for token, through the lean Llama forward and
-through transformers' own forward."""
+through transformers' own forward; with the greedy head (ops/greedy_head.py: greedy rows asking for no
+log-prob never compute the Q8_0 output layer in full) and without it."""
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -18,23 +21,43 @@ MAX_TOKENS = 16
 NUM_BLOCKS = 20                  # of 4 tokens: too few for the first three prompts at once
 
 
+@pytest.mark.parametrize("greedy_head", [True, False])
 @pytest.mark.parametrize("name", ["Llama", "Qwen3"])   # the lean forward, transformers' forward
-def test_served_from_codes_like_transformers(name, monkeypatch):
+def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
+    if greedy_head and not kernel.has_q8_argmax():
+        pytest.skip("no AVX512-VNNI: no greedy head on this CPU")
+    monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if greedy_head else "0")
     model = gguf_form_model(build(SUPPORTED[name], "eager", seed=4))
     expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS]
     model.set_attn_implementation(attention.register())
-    rows, kinds = [], set()
-    real = kernel.coded_linear
+    rows, kinds, argmax_rows = [], set(), []
+    real, real_argmax = kernel.coded_linear, kernel.q8_argmax
 
     def spy(x, codes, scales, mins):
         rows.append(x.shape[0])
         kinds.add("q4_1" if mins is not None else "q8_0")
         return real(x, codes, scales, mins)
+
+    def spy_argmax(x, *rest):
+        argmax_rows.append(x.shape[0])
+        return real_argmax(x, *rest)
     monkeypatch.setattr(kernel, "coded_linear", spy)
-    served = serve(model, PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS)
+    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
+    # no log-probs asked for: the greedy head's condition (the log-probs are checked with it off, and below)
+    served = serve(model, PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS, logprobs=None)
     assert served.preemptions > 0 and served.prefix_hits > 0, served
-    # every step's projections went through the codes: prefill chunks and decode batches alike
-    assert max(rows) > 4 and min(rows) == 1 and kinds == {"q4_1", "q8_0"}, (rows, kinds)
-    assert_same(served.outputs, expected)
+    # every step's projections went through the codes: prefill chunks and decode batches alike; the output
+    # layer's through the greedy head where it is on (every row here is greedy without log-probs)
+    assert max(rows) > 4 and min(rows) == 1, rows
+    assert kinds == ({"q4_1"} if greedy_head else {"q4_1", "q8_0"}), kinds
+    assert (sum(argmax_rows) > 0) == greedy_head and (not greedy_head or max(argmax_rows) > 1), argmax_rows
+    assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
+    if greedy_head:   # nobody asked for them: not computed
+        assert all(math.isnan(v) for _, logprobs in served.outputs for v in logprobs)
+    else:
+        assert_same(served.outputs, expected)
+    # asked for, the log-probs come from the full logits, whether the greedy head is there or not
+    with_logprobs = serve(model, PROMPTS[:2], MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS)
+    assert_same(with_logprobs.outputs, expected[:2])
