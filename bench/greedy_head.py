@@ -24,7 +24,7 @@ def hidden_states(model, num_prompts: int, steps: int, seed: int):
     """The final hidden state (after the last norm) of every decode step of greedy generation."""
     import torch
     rows = []
-    for request in C.make_trace(num_prompts, seed, model.config.vocab_size, "exp64"):
+    for request in C.make_trace(num_prompts, seed, model.config.vocab_size, "sharegpt"):
         ids = torch.tensor([request.prompt_ids])
         out = model.generate(ids, max_new_tokens=steps, do_sample=False, output_hidden_states=True,
                              return_dict_in_generate=True, pad_token_id=0)
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     codes = greedy.codes
     with torch.inference_mode():
         pool = hidden_states(model, 8, 24, seed=0)
-    print(f"{pool.shape[0]} hidden states from 8 prompts of the exp64 trace, 24 greedy steps each")
+    print(f"{pool.shape[0]} hidden states from 8 prompts of a sharegpt trace, 24 greedy steps each")
     table = C.Table(["rows", "full ms", "greedy head ms", "ratio", "exact logits / row (mean, max)"])
     for rows in (int(r) for r in args.rows.split(",")):
         x = pool[torch.arange(rows) % pool.shape[0]].contiguous()

@@ -452,11 +452,12 @@ class ModelRunner:
         return result, ids.shape[1], prompt_scores
 
     def _draw(self, hidden_rows: torch.Tensor, inputs: list[sampler.SampleRow]) -> list[list[sampler.SampleOutput]]:
-        """Per sampled row its draws: a row that needs only its argmax from the greedy head where there is
-        one (its log-prob, which nobody asked for, NaN), the others from the logits and the sampler."""
+        """Per sampled row its draws: rows that need only their argmax from the greedy head where there is
+        one and they are enough of them (their log-prob, which nobody asked for, NaN), the others from the
+        logits and the sampler."""
         draws: list = [None] * len(inputs)
         quick = [i for i, row in enumerate(inputs) if sampler.argmax_only(row)] if self.greedy_head else []
-        if quick:
+        if len(quick) >= greedy_head.MIN_ROWS:
             index = torch.tensor(quick, device=self.device)
             tokens, counts = self.greedy_head.tokens(hidden_rows.index_select(0, index))
             self.greedy_rows += sum(t >= 0 for t in tokens)

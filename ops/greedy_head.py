@@ -16,6 +16,12 @@ import torch
 from ops import quantized
 
 
+# Fewer rows than this take the full logits: up to 4 rows the full product is coded_linear's few-row path,
+# bound by reading the layer's 28 MiB, which the first pass reads as well (bench/greedy_head.py: no gain
+# at 1-4 rows, about half the time from 6 on)
+MIN_ROWS = 5
+
+
 class GreedyHead:
     """The output layer's codes laid out for the kernel's first pass, beside the codes it recomputes from."""
 
