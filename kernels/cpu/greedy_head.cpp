@@ -38,7 +38,8 @@ namespace {
 
 constexpr int64_t kGroup = 16;
 constexpr int64_t kBlock = 32;
-constexpr int kTile = 8;            // rows of x per register tile: 3 x 8 accumulators
+constexpr int kTile = 4;            // rows of x per register tile
+constexpr int kTileGroups = 3;      // groups of 16 outputs per register tile: 12 accumulators, 12 sums
 constexpr float kMargin = 0.51f;    // 0.5 for the rounding of x to codes, 0.01 for every float rounding
 
 // one row of x in int8 blocks: codes, per block scale and -128 * sum of the block's codes
@@ -90,64 +91,85 @@ struct Found {
 };
 
 #ifdef PAGEDSERVE_Q8_ARGMAX
-template <int R>
+// the outputs of group g whose upper end reaches the row's largest lower end so far, given the row's
+// approximate logits and their bounds' sums
+inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, Found& found) {
+  const __m512 margin = _mm512_mul_ps(bound, _mm512_set1_ps(kMargin));
+  float& lower = found.lower[m];
+  lower = std::max(lower, _mm512_reduce_max_ps(_mm512_sub_ps(total, margin)));
+  const __m512 upper = _mm512_add_ps(total, margin);
+  __mmask16 reach = _mm512_cmp_ps_mask(upper, _mm512_set1_ps(lower), _CMP_GE_OQ);
+  if (!reach) return;
+  alignas(64) float up[kGroup];
+  _mm512_store_ps(up, upper);
+  while (reach) {
+    const int l = __builtin_ctz(reach);
+    reach &= reach - 1;
+    found.outputs[m].emplace_back(g * kGroup + l, up[l]);
+  }
+}
+
+// R rows of x against C groups of 16 outputs from g: each weight load feeds R products and each
+// broadcast of x C of them (one load per product held VPDPBUSD to about a third of its rate)
+template <int R, int C>
 void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const at::Half* scales, const float* absums,
                  int64_t g, int64_t K, Found& found) {
   const int64_t blocks = K / kBlock;
-  __m512 total[R], bound[R];
-  for (int r = 0; r < R; ++r) total[r] = bound[r] = _mm512_setzero_ps();
+  __m512 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
-    const uint8_t* wb = packed + (g * (K / 4) + b * (kBlock / 4)) * 64;
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
+      for (int c = 0; c < C; ++c) acc[r][c] = start;
+    }
     for (int64_t j = 0; j < kBlock / 4; ++j) {
-      const __m512i w = _mm512_loadu_si512(wb + j * 64);
+      __m512i w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(four));
+        const __m512i x4 = _mm512_set1_epi32(four);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], x4);
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * blocks + b) * kGroup)));
-    const __m512 a = _mm512_loadu_ps(absums + (g * blocks + b) * kGroup);
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]);
-      total[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r]), d), s, total[r]);
-      bound[r] = _mm512_fmadd_ps(a, s, bound[r]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + ((g + c) * blocks + b) * kGroup)));
+      for (int r = 0; r < R; ++r)
+        total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), d),
+                                      _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), total[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512 margin = _mm512_mul_ps(bound[r], _mm512_set1_ps(kMargin));
-    float& lower = found.lower[m0 + r];
-    lower = std::max(lower, _mm512_reduce_max_ps(_mm512_sub_ps(total[r], margin)));
-    const __m512 upper = _mm512_add_ps(total[r], margin);
-    __mmask16 reach = _mm512_cmp_ps_mask(upper, _mm512_set1_ps(lower), _CMP_GE_OQ);
-    if (!reach) continue;
-    alignas(64) float up[kGroup];
-    _mm512_store_ps(up, upper);
-    while (reach) {
-      const int l = __builtin_ctz(reach);
-      reach &= reach - 1;
-      found.outputs[m0 + r].emplace_back(g * kGroup + l, up[l]);
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+      __m512 bound = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b)
+        bound = _mm512_fmadd_ps(_mm512_loadu_ps(absums + ((g + c) * blocks + b) * kGroup),
+                                _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), bound);
+      keep_reaching(total[r][c], bound, m0 + r, g + c, found);
+    }
+}
+
+template <int C>
+void approx_rows(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales, const float* absums,
+                 int64_t g, int64_t K, Found& found) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    switch (std::min<int64_t>(kTile, M - m0)) {
+      case 1: approx_tile<1, C>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 2: approx_tile<2, C>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 3: approx_tile<3, C>(xq, m0, packed, scales, absums, g, K, found); break;
+      default: approx_tile<4, C>(xq, m0, packed, scales, absums, g, K, found); break;
     }
   }
 }
 
 void approx_groups(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales,
                    const float* absums, int64_t g0, int64_t g1, int64_t K, Found& found) {
-  for (int64_t g = g0; g < g1; ++g)
-    for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-      switch (std::min<int64_t>(kTile, M - m0)) {
-        case 1: approx_tile<1>(xq, m0, packed, scales, absums, g, K, found); break;
-        case 2: approx_tile<2>(xq, m0, packed, scales, absums, g, K, found); break;
-        case 3: approx_tile<3>(xq, m0, packed, scales, absums, g, K, found); break;
-        case 4: approx_tile<4>(xq, m0, packed, scales, absums, g, K, found); break;
-        case 5: approx_tile<5>(xq, m0, packed, scales, absums, g, K, found); break;
-        case 6: approx_tile<6>(xq, m0, packed, scales, absums, g, K, found); break;
-        case 7: approx_tile<7>(xq, m0, packed, scales, absums, g, K, found); break;
-        default: approx_tile<8>(xq, m0, packed, scales, absums, g, K, found); break;
-      }
-    }
+  int64_t g = g0;
+  for (; g + kTileGroups <= g1; g += kTileGroups)
+    approx_rows<kTileGroups>(xq, M, packed, scales, absums, g, K, found);
+  for (; g < g1; ++g) approx_rows<1>(xq, M, packed, scales, absums, g, K, found);
 }
 #endif
 
