@@ -96,7 +96,6 @@ class ModelRunner:
         # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): float32 CPU, one rank
         self.greedy_head = greedy_head.build(self.final_logits, cpu_kernels.load()) \
             if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
-        self.greedy_rows = self.greedy_exact_logits = 0   # rows it served, logits it computed exactly
         if self.greedy_head is not None:
             log.info("greedy head: greedy rows that ask for no log-prob take their token from an int8 first pass "
                      "and the exact logits of its few candidates (%.1f MiB laid out for AVX512-VNNI)",
@@ -459,9 +458,7 @@ class ModelRunner:
         quick = [i for i, row in enumerate(inputs) if sampler.argmax_only(row)] if self.greedy_head else []
         if len(quick) >= greedy_head.MIN_ROWS:
             index = torch.tensor(quick, device=self.device)
-            tokens, counts = self.greedy_head.tokens(hidden_rows.index_select(0, index))
-            self.greedy_rows += sum(t >= 0 for t in tokens)
-            self.greedy_exact_logits += sum(counts)
+            tokens, _ = self.greedy_head.tokens(hidden_rows.index_select(0, index))
             for i, token in zip(quick, tokens):
                 if token >= 0:
                     draws[i] = [sampler.SampleOutput(token, math.nan, [])]

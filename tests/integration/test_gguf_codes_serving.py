@@ -63,3 +63,26 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     # asked for, the log-probs come from the full logits, whether the greedy head is there or not
     with_logprobs = serve(model, PROMPTS[:2], MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS)
     assert_same(with_logprobs.outputs, expected[:2])
+
+
+def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
+    """At its default, the greedy head serves a step's greedy rows only from MIN_ROWS of them: fewer go
+    through the full product, which reads the layer once as the first pass would."""
+    kernel = cpu_kernels.load()
+    assert kernel is not None, cpu_kernels.failure()
+    if not kernel.has_q8_argmax():
+        pytest.skip("no AVX512-VNNI: no greedy head on this CPU")
+    monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1")
+    model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
+    prompts = [[1, 10 + i, 20 + 3 * i, 7] for i in range(7)]
+    expected = [hf_reference(model, p, 6) for p in prompts]
+    model.set_attn_implementation(attention.register())
+    argmax_rows, real_argmax = [], kernel.q8_argmax
+
+    def spy_argmax(x, *rest):
+        argmax_rows.append(x.shape[0])
+        return real_argmax(x, *rest)
+    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
+    served = serve(model, prompts, 6, block_size=4, num_blocks=64, max_num_seqs=7, logprobs=None)
+    assert argmax_rows and min(argmax_rows) >= greedy_head_module.MIN_ROWS, argmax_rows
+    assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
