@@ -168,7 +168,7 @@ class SamplingSpec:
     min_tokens: int = 0               # ban the stop token ids until this many tokens are generated
     stop_token_ids: list[int] = field(default_factory=list)  # banned while below min_tokens
     # how many top log-probabilities to return per token; 0: only the chosen token's; -1: not even
-    # that (its SampledToken.logprob is then NaN: a greedy row may skip most logits, ops/greedy_head.py)
+    # that (its SampledToken.logprob may then be NaN: a greedy row may skip most logits, ops/greedy_head.py)
     logprobs: int = 0
     n: int = 1                        # draws for the first output token (parallel sampling forks after it)
     beam_width: int = 0               # > 0: a beam; the control plane picks and sends each next token
@@ -204,6 +204,8 @@ class SamplingSpec:
         prompt_logprobs = _opt_int(b[16]) if len(b) == 17 else None
         if prompt_logprobs is not None and prompt_logprobs < 0:
             raise ProtocolError(f"prompt_logprobs must be None or >= 0, got {prompt_logprobs}")
+        if isinstance(logprobs, int) and logprobs < -1:
+            raise ProtocolError(f"logprobs must be -1 (none used) or >= 0, got {logprobs}")
         return cls(_float(temperature), _int(top_k), _float(top_p), _float(min_p), _opt_int(seed), _float(presence),
                    _float(frequency), _float(repetition), _int(min_tokens), _ints(stop_ids), _int(logprobs), _int(n),
                    _int(beam_width), [(_int(t), _float(v)) for t, v in (_list(p, 2) for p in _list(bias))],

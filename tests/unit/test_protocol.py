@@ -80,3 +80,20 @@ def test_handshake_carries_layer_groups_with_a_reach_each():
             P.Handshake.from_wire(body[:15] + [reaches])
     with pytest.raises(P.ProtocolError, match="not one sliding window"):   # one or the other
         P.Handshake.from_wire(body[:13] + [128, 0, [0, 128]])
+
+
+def test_logprobs_minus_one_says_none_is_used_and_lower_is_refused():
+    from control_plane.sampling_params import SamplingParams
+    assert SamplingParams(temperature=0.0).spec([]).logprobs == -1          # nobody reads the log-prob
+    assert SamplingParams(temperature=0.0, logprobs=0).spec([]).logprobs == 0   # the chosen token's
+    assert SamplingParams(temperature=0.0, logprobs=3).spec([]).logprobs == 3
+    assert SamplingParams(temperature=0.8, n=1, best_of=3).spec([]).logprobs == 0   # ranked by their sum
+    spec = P.SamplingSpec(temperature=0.0, logprobs=-1)
+    assert P.SamplingSpec.from_wire(spec.to_wire()) == spec
+    wire = spec.to_wire()
+    wire[10] = -2
+    with pytest.raises(P.ProtocolError, match="logprobs must be -1"):
+        P.SamplingSpec.from_wire(wire)
+    token = P.SampledToken(4, 9, float("nan"))
+    kind, back = P.decode(P.encode(P.STEP_RESULT, P.StepResult(1, [token], 1, 0.0, 0.0)))
+    assert back.sampled[0].token_id == 9 and back.sampled[0].logprob != back.sampled[0].logprob   # NaN
