@@ -10,8 +10,8 @@ must be equal bit for bit (a change to speed must not change results):
   attention  paged decode over 30 layers of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64),
              blocks shuffled over a pool, float32 and bfloat16, a grid of rows x context (every row
              at that context, or contexts spread around it);
-  products   every layer product of SmolLM2's lean forward through the GGUF codes (float32), at a few
-             row counts (the model is loaded as the data plane loads it).
+  products   every layer product of SmolLM2's lean forward through the GGUF codes (float32, or bfloat16
+             inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it).
 """
 from __future__ import annotations
 
@@ -94,15 +94,16 @@ def attention(before, after, repeats: int) -> None:
             print(f"{str(dtype)[6:]:9} {rows:>4} {label:>9} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
 
 
-def products(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
+def products(before, after, rows_list: list[int], repeats: int, num_threads: int, dtype_name: str) -> None:
     import torch
     runner = C.default_runner(num_threads, "inproc://kernels-ab", kv_cache_blocks=16)
     layers = [lin for lin in runner.lean.linears() if lin.codes is not None]
-    print(f"\nthe {len(layers)} layer products through the GGUF codes, float32; ms (median of {repeats})")
+    dtype = getattr(torch, dtype_name)
+    print(f"\nthe {len(layers)} layer products through the GGUF codes, {dtype_name}; ms (median of {repeats})")
     print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")
     gen = torch.Generator().manual_seed(1)
     for rows in rows_list:
-        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen) for lin in layers}
+        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen).to(dtype) for lin in layers}
 
         def run(module):
             return [module.coded_linear(inputs[lin.weight.shape[1]], lin.codes.codes, lin.codes.scales, lin.codes.mins)
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,4,64", help="row counts of the products")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--dtypes", default="float32", help="the products' input and output types (float32, bfloat16)")
     args = ap.parse_args(argv)
     import torch
     from ops import cpu_kernels
@@ -133,7 +135,8 @@ def main(argv=None) -> int:
         if args.only in (None, "attention"):
             attention(before, after, args.repeats)
         if args.only in (None, "products"):
-            products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
+            for dtype_name in args.dtypes.split(","):
+                products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads, dtype_name)
     return 0
 
 

@@ -229,55 +229,90 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 }
 
 #ifdef PAGEDSERVE_AVX512
-// M <= kDirectRows rows of x against one group of 16 output rows, the weights expanded in registers and
+// M <= kDirectRows rows of x against groups of 16 output rows, the weights expanded in registers and
 // used at once: no panel buffer to write and read back, which a step of a few rows cannot amortize.
 constexpr int64_t kDirectRows = 4;
 
-// fn(j, the 16 rows' float32 weights of input 2j, those of input 2j + 1) for every input pair j of group
-// g, in order; the expansion is the panel's (expand_q4, expand_q8) before any rounding to T
-template <typename Fn>
+// Groups side by side in the direct path: one output's sum is a chain of dependent FMAs (the order over k
+// is fixed, so it cannot be split), and one row against one group leaves a single chain in flight,
+// bound by the FMA's latency rather than its throughput. G groups keep G * M independent chains.
+template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 : 3; }
+
+// fn(j, even, odd) for every input pair j of groups g .. g + G - 1, in order, where even[v] and odd[v]
+// are group g + v's 16 rows' float32 weights of inputs 2j and 2j + 1; the expansion is the panel's
+// (expand_q4, expand_q8) before any rounding to T
+template <int G, typename Fn>
 inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   const int64_t K = w.K, blocks = K / kBlock;
   const at::Half* scales = w.scales + g * blocks * kGroup;
+  __m512 even[G], odd[G], d[G];
   if (w.mins != nullptr) {
     const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
     const at::Half* mins = w.mins + g * blocks * kGroup;
+    __m512 m[G];
     for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
+      for (int v = 0; v < G; ++v) {
+        d[v] = load_half16(scales + (v * blocks + b) * kGroup);
+        m[v] = load_half16(mins + (v * blocks + b) * kGroup);
+      }
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
-        const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
-        fn(j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d, m),
-           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d, m));
+        for (int v = 0; v < G; ++v) {
+          const __m512i both = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (v * (K / 2) + j) * kGroup)));
+          even[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d[v], m[v]);
+          odd[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d[v], m[v]);
+        }
+        fn(j, even, odd);
       }
     }
   } else {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
-      const __m512 d = load_half16(scales + b * kGroup);
+      for (int v = 0; v < G; ++v) d[v] = load_half16(scales + (v * blocks + b) * kGroup);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
-        const __m512i c0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * kGroup)));
-        const __m512i c1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (2 * j + 1) * kGroup)));
-        fn(j, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), d), _mm512_mul_ps(_mm512_cvtepi32_ps(c1), d));
+        for (int v = 0; v < G; ++v) {
+          const int8_t* c = codes + (v * K + 2 * j) * kGroup;
+          even[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))), d[v]);
+          odd[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kGroup)))), d[v]);
+        }
+        fn(j, even, odd);
       }
     }
   }
 }
 
 // The weights rounded to T, and the same FMA chain over k in order as the panel's tiles: the same bits.
-template <typename T, int M>
+template <typename T, int M, int G>
 void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) {
   const int64_t K = w.K;
-  __m512 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-  expand_pairs(w, g, [&](int64_t j, __m512 even, __m512 odd) {
-    even = weight16<T>(even);
-    odd = weight16<T>(odd);
+  __m512 acc[M][G];
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < G; ++v) acc[r][v] = _mm512_setzero_ps();
+  expand_pairs<G>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
+    for (int v = 0; v < G; ++v) {
+      even[v] = weight16<T>(even[v]);
+      odd[v] = weight16<T>(odd[v]);
+    }
     for (int r = 0; r < M; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j])), even, acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j + 1])), odd, acc[r]);
+      const __m512 x0 = _mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j]));
+      for (int v = 0; v < G; ++v) acc[r][v] = _mm512_fmadd_ps(x0, even[v], acc[r][v]);
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m512 x1 = _mm512_set1_ps(pagedserve::to_float(x[r * K + 2 * j + 1]));
+      for (int v = 0; v < G; ++v) acc[r][v] = _mm512_fmadd_ps(x1, odd[v], acc[r][v]);
     }
   });
-  for (int r = 0; r < M; ++r) pagedserve::store16(y + r * N + g * kGroup, acc[r]);
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < G; ++v) pagedserve::store16(y + r * N + (g + v) * kGroup, acc[r][v]);
+}
+
+// groups [g0, g1) of the direct path, G at a time while G remain
+template <int M, typename Fn1, typename FnG>
+inline void direct_groups_in(int64_t g0, int64_t g1, Fn1 one, FnG several) {
+  constexpr int G = direct_groups<M>();
+  int64_t g = g0;
+  for (; g + G <= g1; g += G) several(g);
+  for (; g < g1; ++g) one(g);
 }
 #endif
 
@@ -296,26 +331,45 @@ inline __m512bh pair_bf16(__m512 even, __m512 odd) {
   return (__m512bh)_mm512_permutexvar_epi16(order, both);
 }
 
-template <int M>
+template <int M, int G>
 void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64_t N) {
   const int64_t K = w.K, chunk = pagedserve::onednn_bf16_chunk(K) / 2;
-  __m512 acc[M], done[M];   // the sum of the current chunk of input pairs, and of the chunks before it
-  for (int r = 0; r < M; ++r) acc[r] = done[r] = _mm512_setzero_ps();
-  expand_pairs(w, g, [&](int64_t j, __m512 even, __m512 odd) {
-    const __m512bh pair = pair_bf16(even, odd);
+  __m512 acc[M][G], done[M][G];   // the sum of the current chunk of input pairs, and of the chunks before it
+  for (int r = 0; r < M; ++r)
+    for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = _mm512_setzero_ps();
+  expand_pairs<G>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
+    __m512bh pair[G];
+    for (int v = 0; v < G; ++v) pair[v] = pair_bf16(even[v], odd[v]);
     if (j > 0 && j % chunk == 0)
-      for (int r = 0; r < M; ++r) {
-        done[r] = j == chunk ? acc[r] : _mm512_add_ps(done[r], acc[r]);
-        acc[r] = _mm512_setzero_ps();
-      }
+      for (int r = 0; r < M; ++r)
+        for (int v = 0; v < G; ++v) {
+          done[r][v] = j == chunk ? acc[r][v] : _mm512_add_ps(done[r][v], acc[r][v]);
+          acc[r][v] = _mm512_setzero_ps();
+        }
     for (int r = 0; r < M; ++r) {
       int32_t two;
       std::memcpy(&two, x + r * K + 2 * j, 4);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(two), pair);
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(two);
+      for (int v = 0; v < G; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xs, pair[v]);
     }
   });
   for (int r = 0; r < M; ++r)
-    pagedserve::store16(y + r * N + g * kGroup, K / 2 > chunk ? _mm512_add_ps(done[r], acc[r]) : acc[r]);
+    for (int v = 0; v < G; ++v)
+      pagedserve::store16(y + r * N + (g + v) * kGroup, K / 2 > chunk ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
+}
+
+template <int M>
+void direct_rows_dot(const Weights& w, int64_t g0, int64_t g1, const bf16* x, bf16* y, int64_t N) {
+  direct_groups_in<M>(g0, g1, [&](int64_t g) { direct_group_dot<M, 1>(w, g, x, y, N); },
+                      [&](int64_t g) { direct_group_dot<M, direct_groups<M>()>(w, g, x, y, N); });
+}
+#endif
+
+#ifdef PAGEDSERVE_AVX512
+template <typename T, int M>
+void direct_rows(const Weights& w, int64_t g0, int64_t g1, const float* x, T* y, int64_t N) {
+  direct_groups_in<M>(g0, g1, [&](int64_t g) { direct_group<T, M, 1>(w, g, x, y, N); },
+                      [&](int64_t g) { direct_group<T, M, direct_groups<M>()>(w, g, x, y, N); });
 }
 #endif
 
@@ -325,13 +379,11 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
 #ifdef PAGEDSERVE_AVX512
   if (M >= 1 && M <= kDirectRows) {
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        switch (M) {
-          case 1: direct_group<T, 1>(w, g, xp, yp, N); break;
-          case 2: direct_group<T, 2>(w, g, xp, yp, N); break;
-          case 3: direct_group<T, 3>(w, g, xp, yp, N); break;
-          default: direct_group<T, 4>(w, g, xp, yp, N); break;
-        }
+      switch (M) {
+        case 1: direct_rows<T, 1>(w, g0, g1, xp, yp, N); break;
+        case 2: direct_rows<T, 2>(w, g0, g1, xp, yp, N); break;
+        case 3: direct_rows<T, 3>(w, g0, g1, xp, yp, N); break;
+        default: direct_rows<T, 4>(w, g0, g1, xp, yp, N); break;
       }
     });
     return;
@@ -364,13 +416,11 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
       const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
       auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
       at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g) {
-          switch (M) {
-            case 1: direct_group_dot<1>(w, g, xp, yp, groups * kGroup); break;
-            case 2: direct_group_dot<2>(w, g, xp, yp, groups * kGroup); break;
-            case 3: direct_group_dot<3>(w, g, xp, yp, groups * kGroup); break;
-            default: direct_group_dot<4>(w, g, xp, yp, groups * kGroup); break;
-          }
+        switch (M) {
+          case 1: direct_rows_dot<1>(w, g0, g1, xp, yp, groups * kGroup); break;
+          case 2: direct_rows_dot<2>(w, g0, g1, xp, yp, groups * kGroup); break;
+          case 3: direct_rows_dot<3>(w, g0, g1, xp, yp, groups * kGroup); break;
+          default: direct_rows_dot<4>(w, g0, g1, xp, yp, groups * kGroup); break;
         }
       });
       return y;

@@ -71,8 +71,9 @@ def test_kernel_computes_x_times_w_transposed(kernel, kind, n):
 
 
 @pytest.mark.parametrize("kind", FORMS)
-def test_a_rows_result_does_not_depend_on_the_batch_it_comes_in(kernel, kind):
-    codes = quantized.find_codes(_weight(kind, 96, 128, seed=3))
+@pytest.mark.parametrize("n", [96, 400])   # 400: 25 groups, so the in-register path takes several at a time
+def test_a_rows_result_does_not_depend_on_the_batch_it_comes_in(kernel, kind, n):
+    codes = quantized.find_codes(_weight(kind, n, 128, seed=3))
     x = torch.randn(21, 128, generator=torch.Generator().manual_seed(2))
     together = codes.linear(kernel, x)
     for i in (0, 7, 8, 17):   # one to four rows (the kernel's in-register path) against the batch's tiles
@@ -118,11 +119,12 @@ def test_routed_linear_reads_codes_at_every_row_count_and_packs_nothing(kernel, 
 
 
 @pytest.mark.parametrize("kind", FORMS)
-def test_bfloat16_rows_multiply_the_bfloat16_weights(kernel, kind):
+@pytest.mark.parametrize("n", [80, 400])
+def test_bfloat16_rows_multiply_the_bfloat16_weights(kernel, kind, n):
     # a bfloat16 model is its float32 GGUF weights rounded to bfloat16: the codes found on the float32
     # weight give the bfloat16 one back bit for bit, and the kernel's bfloat16 product is oneDNN's
     # (exact products, float32 sums) up to the order of the sums, rounded once
-    wide = _weight(kind, 80, 160, seed=7)
+    wide = _weight(kind, n, 160, seed=7)
     codes = quantized.find_codes(wide)
     narrow = wide.to(torch.bfloat16)
     assert codes.rounds_to(kernel, narrow)
