@@ -204,10 +204,11 @@ class SamplingSpec:
         prompt_logprobs = _opt_int(b[16]) if len(b) == 17 else None
         if prompt_logprobs is not None and prompt_logprobs < 0:
             raise ProtocolError(f"prompt_logprobs must be None or >= 0, got {prompt_logprobs}")
-        if isinstance(logprobs, int) and logprobs < -1:
+        logprobs = _int(logprobs)
+        if logprobs < -1:
             raise ProtocolError(f"logprobs must be -1 (none used) or >= 0, got {logprobs}")
         return cls(_float(temperature), _int(top_k), _float(top_p), _float(min_p), _opt_int(seed), _float(presence),
-                   _float(frequency), _float(repetition), _int(min_tokens), _ints(stop_ids), _int(logprobs), _int(n),
+                   _float(frequency), _float(repetition), _int(min_tokens), _ints(stop_ids), logprobs, _int(n),
                    _int(beam_width), [(_int(t), _float(v)) for t, v in (_list(p, 2) for p in _list(bias))],
                    _ints(allowed), [_ints(w) for w in _list(bad)], prompt_logprobs)
 

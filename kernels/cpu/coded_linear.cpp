@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -306,13 +307,14 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
     for (int v = 0; v < G; ++v) pagedserve::store16(y + r * N + (g + v) * kGroup, acc[r][v]);
 }
 
-// groups [g0, g1) of the direct path, G at a time while G remain
-template <int M, typename Fn1, typename FnG>
-inline void direct_groups_in(int64_t g0, int64_t g1, Fn1 one, FnG several) {
+// fn(std::integral_constant<int, G>, g) over groups [g0, g1) of the direct path: G = direct_groups<M>()
+// groups at a time while that many remain, then one at a time
+template <int M, typename Fn>
+inline void direct_groups_in(int64_t g0, int64_t g1, Fn fn) {
   constexpr int G = direct_groups<M>();
   int64_t g = g0;
-  for (; g + G <= g1; g += G) several(g);
-  for (; g < g1; ++g) one(g);
+  for (; g + G <= g1; g += G) fn(std::integral_constant<int, G>{}, g);
+  for (; g < g1; ++g) fn(std::integral_constant<int, 1>{}, g);
 }
 #endif
 
@@ -358,19 +360,6 @@ void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64
       pagedserve::store16(y + r * N + (g + v) * kGroup, K / 2 > chunk ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
 }
 
-template <int M>
-void direct_rows_dot(const Weights& w, int64_t g0, int64_t g1, const bf16* x, bf16* y, int64_t N) {
-  direct_groups_in<M>(g0, g1, [&](int64_t g) { direct_group_dot<M, 1>(w, g, x, y, N); },
-                      [&](int64_t g) { direct_group_dot<M, direct_groups<M>()>(w, g, x, y, N); });
-}
-#endif
-
-#ifdef PAGEDSERVE_AVX512
-template <typename T, int M>
-void direct_rows(const Weights& w, int64_t g0, int64_t g1, const float* x, T* y, int64_t N) {
-  direct_groups_in<M>(g0, g1, [&](int64_t g) { direct_group<T, M, 1>(w, g, x, y, N); },
-                      [&](int64_t g) { direct_group<T, M, direct_groups<M>()>(w, g, x, y, N); });
-}
 #endif
 
 template <typename T>
@@ -380,10 +369,12 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
   if (M >= 1 && M <= kDirectRows) {
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       switch (M) {
-        case 1: direct_rows<T, 1>(w, g0, g1, xp, yp, N); break;
-        case 2: direct_rows<T, 2>(w, g0, g1, xp, yp, N); break;
-        case 3: direct_rows<T, 3>(w, g0, g1, xp, yp, N); break;
-        default: direct_rows<T, 4>(w, g0, g1, xp, yp, N); break;
+#define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group<T, m, decltype(G)::value>(w, g, xp, yp, N); })
+        case 1: PAGEDSERVE_DIRECT(1); break;
+        case 2: PAGEDSERVE_DIRECT(2); break;
+        case 3: PAGEDSERVE_DIRECT(3); break;
+        default: PAGEDSERVE_DIRECT(4); break;
+#undef PAGEDSERVE_DIRECT
       }
     });
     return;
@@ -417,10 +408,12 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
       auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
       at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
         switch (M) {
-          case 1: direct_rows_dot<1>(w, g0, g1, xp, yp, groups * kGroup); break;
-          case 2: direct_rows_dot<2>(w, g0, g1, xp, yp, groups * kGroup); break;
-          case 3: direct_rows_dot<3>(w, g0, g1, xp, yp, groups * kGroup); break;
-          default: direct_rows_dot<4>(w, g0, g1, xp, yp, groups * kGroup); break;
+#define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group_dot<m, decltype(G)::value>(w, g, xp, yp, groups * kGroup); })
+          case 1: PAGEDSERVE_DIRECT(1); break;
+          case 2: PAGEDSERVE_DIRECT(2); break;
+          case 3: PAGEDSERVE_DIRECT(3); break;
+          default: PAGEDSERVE_DIRECT(4); break;
+#undef PAGEDSERVE_DIRECT
         }
       });
       return y;
