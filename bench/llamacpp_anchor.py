@@ -4,8 +4,8 @@ bench/llamacpp_setup.sh builds it (from the llama.cpp source the llama-cpp-pytho
 into ~/.cache/pagedserve/llama.cpp, where this module looks for it. It is started as a user would
 tune it for throughput: `-t N -tb N` (both cores for decode and for prompts), `-np SLOTS` parallel
 slots with `-cb` continuous batching and `-c SLOTS * ctx_per_slot` context in all; everything else
-its defaults. llama.cpp computes with the GGUF's own Q4_1 weights (and its own quantized dot
-products), so its tokens are not expected to equal a float32 or bfloat16 model's.
+its defaults, except `--no-repack` on a CPU with AMX (below). llama.cpp computes with the GGUF's own
+Q4_1 weights (and its own quantized dot products), so its tokens are not expected to equal a float32 or bfloat16 model's.
 
 Requests go to its native /completion endpoint, which takes the prompt as token ids without adding
 a BOS (an array whose first element is a number) and returns the ids it generated
@@ -20,6 +20,14 @@ import _common as C
 
 DIR = os.environ.get("PAGEDSERVE_LLAMACPP_DIR", os.path.expanduser("~/.cache/pagedserve/llama.cpp"))
 BINARY = os.path.join(DIR, "bin", "llama-server")
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" in f.read().split()
+    except OSError:
+        return False
 
 
 def find() -> tuple[str | None, str]:
@@ -49,6 +57,11 @@ class LlamaServer(C.AnchorProcess):
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                "-t", str(num_threads), "-tb", str(num_threads),
                "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-cb"]
+        # ggml's AMX weight path (an "extra buffer type", chosen when the build's -march=native has
+        # AMX) dies with SIGSEGV in ggml_backend_amx_mul_mat at the first graph on an Intel Xeon with
+        # AMX; --no-repack leaves the weights as the file has them, with its AVX-512 dot products
+        if cpu_has_amx():
+            cmd.append("--no-repack")
         super().__init__("llama-server", cmd, port)
 
     def wait_ready(self, timeout: float = 300.0) -> "LlamaServer":

@@ -620,6 +620,8 @@ def run_llama(args, trace, job, runs, failures, scored: bool) -> None:
         np_, best = min(tried, key=lambda t: t[1].seconds)
         best.scored = tried[0][1].scored
         best.note = f"-np {np_} of " + ", ".join(f"{n}: {useful / r.seconds:.1f}" for n, r in tried) + " tok/s"
+    if L.cpu_has_amx():
+        best.note += "; --no-repack (AMX CPU)"
     if errors:
         best.note += "; failed: " + "; ".join(errors)
     runs["l", LLAMA] = best
