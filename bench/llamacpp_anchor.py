@@ -5,7 +5,8 @@ into ~/.cache/pagedserve/llama.cpp, where this module looks for it. It is starte
 tune it for throughput: `-t N -tb N` (both cores for decode and for prompts), `-np SLOTS` parallel
 slots with `-cb` continuous batching and `-c SLOTS * ctx_per_slot` context in all; everything else
 its defaults, except `--no-repack` on a CPU with AMX (below). llama.cpp computes with the GGUF's own
-Q4_1 weights (and its own quantized dot products), so its tokens are not expected to equal a float32 or bfloat16 model's.
+Q4_1 weights (and its own quantized dot products), so its tokens are not expected to equal a
+float32 or bfloat16 model's.
 
 Requests go to its native /completion endpoint, which takes the prompt as token ids without adding
 a BOS (an array whose first element is a number) and returns the ids it generated
@@ -60,7 +61,8 @@ class LlamaServer(C.AnchorProcess):
         # ggml's AMX weight path (an "extra buffer type", chosen when the build's -march=native has
         # AMX) dies with SIGSEGV in ggml_backend_amx_mul_mat at the first graph on an Intel Xeon with
         # AMX; --no-repack leaves the weights as the file has them, with its AVX-512 dot products
-        if cpu_has_amx():
+        self.no_repack = cpu_has_amx()
+        if self.no_repack:
             cmd.append("--no-repack")
         super().__init__("llama-server", cmd, port)
 

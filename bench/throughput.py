@@ -595,9 +595,10 @@ def run_llama(args, trace, job, runs, failures, scored: bool) -> None:
         return
     C.Timer.note(f"llama.cpp: {L.version(binary)}")
     ctx = max(args.llama_ctx_per_slot, max(len(r.prompt_ids) + r.output_len for r in trace))
-    tried, errors = [], []
+    tried, errors, no_repack = [], [], False
     for np_ in [1] if args.single else args.llama_np:
         server = L.LlamaServer(binary, default_model_path(), C.free_port(), args.num_threads, np_, ctx)
+        no_repack = server.no_repack
         try:
             server.wait_ready()
             C.Timer.note(f"llama-server -np {np_} ready; running (l)")
@@ -620,7 +621,7 @@ def run_llama(args, trace, job, runs, failures, scored: bool) -> None:
         np_, best = min(tried, key=lambda t: t[1].seconds)
         best.scored = tried[0][1].scored
         best.note = f"-np {np_} of " + ", ".join(f"{n}: {useful / r.seconds:.1f}" for n, r in tried) + " tok/s"
-    if L.cpu_has_amx():
+    if no_repack:
         best.note += "; --no-repack (AMX CPU)"
     if errors:
         best.note += "; failed: " + "; ".join(errors)
