@@ -69,6 +69,13 @@ inline __m512 load_half16(const at::Half* p) {
 // times an integer), and Q4_1's scale * code + min, a sum of two such float32 values, is 0 or a
 // multiple of a float32 ulp at 2^-24, at least 2^-47.
 template <typename T> inline __m512 weight16(__m512 v) { return pagedserve::rounded16<T>(v); }
+// float(c & 15) for each lane's 32-bit code c: VPERMPS reads only an index's low 4 bits, so one
+// table lookup stands for the mask and the conversion (one instruction fewer per 16 weights)
+inline __m512 low_nibble_float(__m512i c) {
+  const __m512 values = _mm512_set_ps(15.f, 14.f, 13.f, 12.f, 11.f, 10.f, 9.f, 8.f, 7.f, 6.f, 5.f, 4.f, 3.f, 2.f, 1.f, 0.f);
+  return _mm512_permutexvar_ps(c, values);
+}
+
 #if defined(__AVX512BF16__)
 template <> inline __m512 weight16<pagedserve::bf16>(__m512 v) {
   const __m256bh narrow = _mm512_cvtneps_pbh(v);
@@ -107,7 +114,7 @@ void expand_q4(const Weights& w, int64_t g0, int64_t groups, float* buf) {
       const __m512 d = load_half16(scales + b * kGroup), m = load_half16(mins + b * kGroup);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * kGroup)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15)));
+        const __m512 lo = low_nibble_float(both);
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4));
         _mm512_store_ps(out + (2 * j) * kPanel, weight16<T>(_mm512_fmadd_ps(lo, d, m)));
         _mm512_store_ps(out + (2 * j + 1) * kPanel, weight16<T>(_mm512_fmadd_ps(hi, d, m)));
@@ -260,7 +267,7 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
         for (int v = 0; v < G; ++v) {
           const __m512i both = _mm512_cvtepu8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (v * (K / 2) + j) * kGroup)));
-          even[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(both, _mm512_set1_epi32(15))), d[v], m[v]);
+          even[v] = _mm512_fmadd_ps(low_nibble_float(both), d[v], m[v]);
           odd[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d[v], m[v]);
         }
         fn(j, even, odd);
