@@ -263,7 +263,13 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
         d[v] = load_half16(scales + (v * blocks + b) * kGroup);
         m[v] = load_half16(mins + (v * blocks + b) * kGroup);
       }
+      for (int v = 0; v < G; ++v) {
+        __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
+        __builtin_prefetch(mins + ((v + G) * blocks + b) * kGroup, 0, 3);
+      }
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        if (j % 4 == 0)
+          for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * (K / 2) + j) * kGroup, 0, 3);
         for (int v = 0; v < G; ++v) {
           const __m512i both = _mm512_cvtepu8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (v * (K / 2) + j) * kGroup)));
@@ -276,8 +282,13 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   } else {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int v = 0; v < G; ++v) d[v] = load_half16(scales + (v * blocks + b) * kGroup);
+      for (int v = 0; v < G; ++v) {
+        d[v] = load_half16(scales + (v * blocks + b) * kGroup);
+        __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
+      }
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        if (j % 2 == 0)
+          for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * K + 2 * j) * kGroup, 0, 3);
         for (int v = 0; v < G; ++v) {
           const int8_t* c = codes + (v * K + 2 * j) * kGroup;
           even[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))), d[v]);
