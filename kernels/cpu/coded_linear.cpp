@@ -248,7 +248,9 @@ template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 
 
 // fn(j, even, odd) for every input pair j of groups g .. g + G - 1, in order, where even[v] and odd[v]
 // are group g + v's 16 rows' float32 weights of inputs 2j and 2j + 1; the expansion is the panel's
-// (expand_q4, expand_q8) before any rounding to T
+// (expand_q4, expand_q8) before any rounding to T. It asks for groups g + G .. g + 2G - 1 at the same
+// place as it reads (a prefetch never faults, so past the last group costs nothing): the next call reads
+// them, and each group's short run of codes is too brief for the hardware's streamer to get ahead of it.
 template <int G, typename Fn>
 inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   const int64_t K = w.K, blocks = K / kBlock;
@@ -326,13 +328,17 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
 }
 
 // fn(std::integral_constant<int, G>, g) over groups [g0, g1) of the direct path: G = direct_groups<M>()
-// groups at a time while that many remain, then one at a time
+// groups at a time while that many remain, then the rest side by side (a thread's share of the groups
+// need not be a multiple of G, and one group alone leaves a single chain in flight)
 template <int M, typename Fn>
 inline void direct_groups_in(int64_t g0, int64_t g1, Fn fn) {
   constexpr int G = direct_groups<M>();
   int64_t g = g0;
   for (; g + G <= g1; g += G) fn(std::integral_constant<int, G>{}, g);
-  for (; g < g1; ++g) fn(std::integral_constant<int, 1>{}, g);
+  const int64_t rest = g1 - g;
+  if constexpr (G > 3) if (rest == 3) return fn(std::integral_constant<int, 3>{}, g);
+  if constexpr (G > 2) if (rest == 2) return fn(std::integral_constant<int, 2>{}, g);
+  if (rest == 1) fn(std::integral_constant<int, 1>{}, g);
 }
 #endif
 
