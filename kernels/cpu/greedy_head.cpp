@@ -124,9 +124,18 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
       const __m512i start = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
       for (int c = 0; c < C; ++c) acc[r][c] = start;
     }
+    // the next C groups' codes, scales and bounds asked for at the place read here (coded_linear.cpp's
+    // expand_pairs says why)
+    for (int c = 0; c < C; ++c) {
+      __builtin_prefetch(scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+      __builtin_prefetch(absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+    }
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       __m512i w[C];
-      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
+      for (int c = 0; c < C; ++c) {
+        __builtin_prefetch(packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+        w[c] = _mm512_loadu_si512(packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
+      }
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
