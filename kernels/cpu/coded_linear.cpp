@@ -249,8 +249,8 @@ template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 
 // fn(j, even, odd) for every input pair j of groups g .. g + G - 1, in order, where even[v] and odd[v]
 // are group g + v's 16 rows' float32 weights of inputs 2j and 2j + 1; the expansion is the panel's
 // (expand_q4, expand_q8) before any rounding to T. It asks for groups g + G .. g + 2G - 1 at the same
-// place as it reads (a prefetch never faults, so past the last group costs nothing): the next call reads
-// them, and each group's short run of codes is too brief for the hardware's streamer to get ahead of it.
+// place as it reads (a prefetch never faults, so asking past the last group is harmless): the next call
+// reads them, and each group's short run of codes is too brief for the hardware's streamer to get ahead.
 template <int G, typename Fn>
 inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   const int64_t K = w.K, blocks = K / kBlock;
