@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -111,7 +112,7 @@ inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, Foun
 
 // R rows of x against C groups of 16 outputs from g: each weight load feeds R products and each
 // broadcast of x C of them (one load per product held VPDPBUSD to about a third of its rate)
-template <int R, int C>
+template <int R, int C, bool Ask>
 void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const at::Half* scales, const float* absums,
                  int64_t g, int64_t K, Found& found) {
   const int64_t blocks = K / kBlock;
@@ -124,16 +125,17 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
       const __m512i start = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
       for (int c = 0; c < C; ++c) acc[r][c] = start;
     }
-    // the next C groups' codes, scales and bounds asked for at the place read here (coded_linear.cpp's
-    // expand_pairs says why)
-    for (int c = 0; c < C; ++c) {
-      __builtin_prefetch(scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
-      __builtin_prefetch(absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
-    }
+    // the first tile of rows asks for the next C groups' codes, scales and bounds at the place read here
+    // (coded_linear.cpp's expand_pairs says why); the other tiles find these groups in the cache
+    if (Ask)
+      for (int c = 0; c < C; ++c) {
+        __builtin_prefetch(scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+        __builtin_prefetch(absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+      }
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       __m512i w[C];
       for (int c = 0; c < C; ++c) {
-        __builtin_prefetch(packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+        if (Ask) __builtin_prefetch(packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
         w[c] = _mm512_loadu_si512(packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
       }
       for (int r = 0; r < R; ++r) {
@@ -163,14 +165,18 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
 template <int C>
 void approx_rows(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales, const float* absums,
                  int64_t g, int64_t K, Found& found) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+  // the first tile of rows asks for the next groups (Ask), the others do not
+  const auto tile = [&](auto ask, int64_t m0) {
+    constexpr bool Ask = decltype(ask)::value;
     switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: approx_tile<1, C>(xq, m0, packed, scales, absums, g, K, found); break;
-      case 2: approx_tile<2, C>(xq, m0, packed, scales, absums, g, K, found); break;
-      case 3: approx_tile<3, C>(xq, m0, packed, scales, absums, g, K, found); break;
-      default: approx_tile<4, C>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 1: approx_tile<1, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 2: approx_tile<2, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 3: approx_tile<3, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      default: approx_tile<4, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
     }
-  }
+  };
+  if (M > 0) tile(std::true_type{}, 0);
+  for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
 }
 
 void approx_groups(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales,
