@@ -11,7 +11,9 @@ must be equal bit for bit (a change to speed must not change results):
              blocks shuffled over a pool, float32 and bfloat16, a grid of rows x context (every row
              at that context, or contexts spread around it);
   products   every layer product of SmolLM2's lean forward through the GGUF codes (float32, or bfloat16
-             inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it).
+             inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it);
+  greedy     the greedy head's token and logit (kernels/cpu/greedy_head.cpp) for random float32 rows of
+             the hidden size, at the same row counts.
 """
 from __future__ import annotations
 
@@ -112,11 +114,31 @@ def products(before, after, rows_list: list[int], repeats: int, num_threads: int
         print(f"{rows:>4} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
 
 
+def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
+    import torch
+    runner = C.default_runner(num_threads, "inproc://kernels-ab-greedy", kv_cache_blocks=16)
+    head = runner.greedy_head
+    if head is None:
+        print("\nthe greedy head: not run (no AVX512-VNNI in this build, or the output layer is not Q8_0 codes)")
+        return
+    codes = head.codes
+    print(f"\nthe greedy head (q8_argmax over the Q8_0 output layer), random rows; ms (median of {repeats})")
+    print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")
+    gen = torch.Generator().manual_seed(2)
+    for rows in rows_list:
+        x = torch.randn(rows, codes.codes.shape[1], generator=gen)
+
+        def run(module):
+            return module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums)
+        b, a = alternate(before, after, run, repeats)
+        print(f"{rows:>4} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="a git revision whose kernels/cpu/ is the baseline")
-    ap.add_argument("--only", choices=("attention", "products"))
-    ap.add_argument("--rows", default="1,4,64", help="row counts of the products")
+    ap.add_argument("--only", choices=("attention", "products", "greedy"))
+    ap.add_argument("--rows", default="1,4,64", help="row counts of the products and the greedy head")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--dtypes", default="float32", help="the products' input and output types (float32, bfloat16)")
@@ -137,6 +159,8 @@ def main(argv=None) -> int:
         if args.only in (None, "products"):
             for dtype_name in args.dtypes.split(","):
                 products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads, dtype_name)
+        if args.only in (None, "greedy"):
+            greedy(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
     return 0
 
 
