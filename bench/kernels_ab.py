@@ -101,16 +101,22 @@ def products(before, after, rows_list: list[int], repeats: int, num_threads: int
     runner = C.default_runner(num_threads, "inproc://kernels-ab", kv_cache_blocks=16)
     layers = [lin for lin in runner.lean.linears() if lin.codes is not None]
     dtype = getattr(torch, dtype_name)
-    print(f"\nthe {len(layers)} layer products through the GGUF codes, {dtype_name}; ms (median of {repeats})")
-    print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")
     gen = torch.Generator().manual_seed(1)
-    for rows in rows_list:
-        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen).to(dtype) for lin in layers}
 
-        def run(module):
-            return [module.coded_linear(inputs[lin.weight.shape[1]], lin.codes.codes, lin.codes.scales, lin.codes.mins)
-                    for lin in layers]
-        b, a = alternate(before, after, run, repeats)
+    def run_for(rows: int):
+        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen).to(dtype) for lin in layers}
+        return lambda module: [module.coded_linear(inputs[lin.weight.shape[1]], lin.codes.codes, lin.codes.scales,
+                                                   lin.codes.mins) for lin in layers]
+    rows_table(f"the {len(layers)} layer products through the GGUF codes, {dtype_name}", before, after, rows_list,
+               repeats, run_for)
+
+
+def rows_table(title: str, before, after, rows_list: list[int], repeats: int, run_for) -> None:
+    """One line per row count: the two builds' median ms of run_for(rows) (a function of the module)."""
+    print(f"\n{title}; ms (median of {repeats})")
+    print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")
+    for rows in rows_list:
+        b, a = alternate(before, after, run_for(rows), repeats)
         print(f"{rows:>4} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
 
 
@@ -122,16 +128,13 @@ def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) 
         print("\nthe greedy head: not run (no AVX512-VNNI in this build, or the output layer is not Q8_0 codes)")
         return
     codes = head.codes
-    print(f"\nthe greedy head (q8_argmax over the Q8_0 output layer), random rows; ms (median of {repeats})")
-    print(f"{'rows':>4} {'before':>8} {'after':>8} {'after/before':>12}")
     gen = torch.Generator().manual_seed(2)
-    for rows in rows_list:
-        x = torch.randn(rows, codes.codes.shape[1], generator=gen)
 
-        def run(module):
-            return module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums)
-        b, a = alternate(before, after, run, repeats)
-        print(f"{rows:>4} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
+    def run_for(rows: int):
+        x = torch.randn(rows, codes.codes.shape[1], generator=gen)
+        return lambda module: module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums)
+    rows_table("the greedy head (q8_argmax over the Q8_0 output layer), random rows", before, after, rows_list,
+               repeats, run_for)
 
 
 def main(argv=None) -> int:

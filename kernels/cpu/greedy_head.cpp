@@ -127,7 +127,7 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
     }
     // the first tile of rows asks for the next C groups' codes, scales and bounds at the place read here
     // (coded_linear.cpp's expand_pairs says why); the other tiles find these groups in the cache
-    if (Ask)
+    if constexpr (Ask)
       for (int c = 0; c < C; ++c) {
         __builtin_prefetch(scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
         __builtin_prefetch(absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
@@ -135,7 +135,7 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       __m512i w[C];
       for (int c = 0; c < C; ++c) {
-        if (Ask) __builtin_prefetch(packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+        if constexpr (Ask) __builtin_prefetch(packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
         w[c] = _mm512_loadu_si512(packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
       }
       for (int r = 0; r < R; ++r) {
