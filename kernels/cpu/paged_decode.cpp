@@ -461,31 +461,17 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     const T* qh = q + tok * sh.q_tok + (h * sh.group + j0 + c) * sh.q_head;
     for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(pagedserve::load16(qh + 16 * v), qscale);
   }
-  // scores[c * len + p] = <scale * q_c, k_p>: each product's sixteen lanes wait in `lanes` until sixteen
-  // positions' are there to be summed together
-  alignas(64) float lanes[C][256];
-  int64_t waiting = 0, first = 0;   // positions waiting, from position `first` on
-  auto sum_waiting = [&]() {
-    for (int c = 0; c < C; ++c) {
-      if (waiting == 16) _mm512_storeu_ps(scores + c * len + first, lane_sums16(lanes[c]));
-      else
-        for (int64_t i = 0; i < waiting; ++i) scores[c * len + first + i] = _mm512_reduce_add_ps(_mm512_load_ps(lanes[c] + 16 * i));
-    }
-    waiting = 0;
-  };
+  // scores[c * len + p] = <scale * q_c, k_p>
   walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     const T* k = row + h * sh.head_dim;
     __m512 kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = pagedserve::load16(k + 16 * v);
-    if (waiting == 0) first = p;
     for (int c = 0; c < C; ++c) {
       __m512 d = _mm512_mul_ps(qv[c][0], kv[0]);
       for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[c][v], kv[v], d);
-      _mm512_store_ps(lanes[c] + 16 * waiting, d);
+      scores[c * len + p] = _mm512_reduce_add_ps(d);
     }
-    if (++waiting == 16) sum_waiting();
   }, h * sh.head_dim, sh.head_dim);
-  if (waiting > 0) sum_waiting();
   float inv_sum[C];
   const int64_t blocks = (len + kSdpaBlock - 1) / kSdpaBlock;
   for (int c = 0; c < C; ++c)
