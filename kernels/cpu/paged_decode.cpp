@@ -148,11 +148,12 @@ inline void walk_context(const T* cache, const int32_t* table, int64_t begin, in
     const T* next = prefetch_offset >= 0 && p0 + block_size < len
         ? cache + static_cast<int64_t>(table[p0 / block_size + 1]) * block_size * slot_stride : nullptr;
     const int64_t ahead = next != nullptr ? std::min(block_size, len - p0 - block_size) : 0;
-    for (int64_t i = std::max<int64_t>(0, begin - p0); i < n; ++i) {
+    const int64_t first = std::max<int64_t>(0, begin - p0);   // (a window may start inside the block)
+    for (int64_t i = 0; i < n; ++i) {
       if (i < ahead)
         for (int64_t f = 0; f < prefetch_values; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
           __builtin_prefetch(next + i * slot_stride + prefetch_offset + f, 0, 2);
-      fn(p0 + i - begin, block + i * slot_stride);
+      if (i >= first) fn(p0 + i - begin, block + i * slot_stride);
     }
   }
 }
@@ -420,28 +421,6 @@ inline float exp_shifted_sum16(float* s, int64_t n, float m) {
     total = _mm512_add_ps(total, e);
   }
   return _mm512_reduce_add_ps(total);
-}
-
-// The sixteen lane sums of v[0 .. 16) (sixteen vectors of sixteen floats, one after another) as one
-// vector: lane i holds v[i]'s sum, added as _mm512_reduce_add_ps adds one vector under GCC (lanes 8
-// apart, then 4, 2 and 1), so the bits are the same. Sixteen sums share the shuffles and adds that
-// one sum alone would spend on its own (45 instructions instead of 16 x 8).
-inline __m512 lane_sums16(const float* v) {
-  // the inputs in the order the shuffles below bring their sums out in lanes 0 .. 15
-  auto at = [&](int j) { return _mm512_load_ps(v + 16 * (4 * (j % 4) + j / 4)); };
-  __m512 e[8], f[4], g[2];
-  for (int i = 0; i < 8; ++i) {   // halves 8 apart (256-bit quarters 2, 3 onto 0, 1) of two vectors
-    const __m512 x = at(2 * i), y = at(2 * i + 1);
-    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)), _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)));
-  }
-  for (int i = 0; i < 4; ++i)     // 4 apart
-    f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
-                         _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
-  for (int i = 0; i < 2; ++i)     // 2 apart
-    g[i] = _mm512_add_ps(_mm512_shuffle_ps(f[2 * i], f[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
-                         _mm512_shuffle_ps(f[2 * i], f[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
-  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(2, 0, 2, 0)),   // 1 apart
-                       _mm512_shuffle_ps(g[0], g[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // One item of up to C query heads that share a KV head, head_dim = 16 NV: the queries and the
