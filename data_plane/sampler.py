@@ -137,16 +137,18 @@ def apply_token_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 
 
 def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of logits [rows, vocab]: the max, its first index and the log-sum-exp, without writing
-    a [rows, vocab] log-softmax. On the CPU in float32 one C++ pass per quantity (kernels/cpu/fused_ops.cpp;
-    a 64-row step of SmolLM2's 49152 logits spent 4.7 ms in torch's two ops); a row with a NaN or no
-    finite logit goes to torch's ops, whose NaN and -inf conventions it then gets."""
-    kernel = cpu_kernels.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 \
+    """Per row of logits [rows, vocab]: the max, its first index and the log-sum-exp (float32), without
+    writing a [rows, vocab] log-softmax. On the CPU, float32 or bfloat16 logits, one C++ pass per quantity
+    (kernels/cpu/fused_ops.cpp; a 64-row step of SmolLM2's 49152 logits spent 4.7 ms in torch's two ops),
+    bfloat16 widened as it is read, to the same results as on a float32 copy; a row with a NaN or no finite
+    logit goes to torch's ops in float32, whose NaN and -inf conventions it then gets."""
+    kernel = cpu_kernels.load() if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
         and logits.is_contiguous() and logits.dim() == 2 and logits.shape[1] > 0 else None
     if kernel is not None:
         best, index, lse = kernel.greedy_logsumexp(logits)
         if not bool(torch.isnan(lse).any()):
             return best, index, lse
+    logits = logits.float()
     best, index = logits.max(dim=-1)
     return best, index, torch.logsumexp(logits, dim=-1)
 
@@ -166,9 +168,19 @@ def argmax_only(row: SampleRow) -> bool:
         and row.token_mask is None and not needs_processing(row)
 
 
+def _greedy_plain(row: SampleRow) -> bool:
+    """Whether a row's draws need only the greedy pass over its raw logits: temperature 0, no
+    alternatives' log-probs, nothing changing its logits."""
+    return row.spec.temperature == 0.0 and row.spec.logprobs <= 0 and row.token_mask is None \
+        and not needs_processing(row)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutput]]:
     """logits: [rows, vocab] in any float dtype; one SampleRow per logits row; per row, its draws."""
-    logits = logits.float()
+    # greedy rows that report at most their token's log-prob read bfloat16 logits as they are (the greedy
+    # pass widens them as it reads): a 64-row step skips writing a float32 copy of its 49152 logits a row
+    if not (logits.dtype == torch.bfloat16 and all(_greedy_plain(row) for row in rows)):
+        logits = logits.float()
     apply_token_masks(logits, rows)
     for i, row in enumerate(rows):
         if needs_processing(row):

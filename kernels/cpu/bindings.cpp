@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");
   m.def("rotary_store", &rotary_store, "q of qkv [T, (H + 2Hk) D] rotated into [T, H, D]; k rotated and v stored in the caches at slots (float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
-  m.def("greedy_logsumexp", &greedy_logsumexp, "per row of logits [R, V]: max, its first index, log-sum-exp (float32)");
+  m.def("greedy_logsumexp", &greedy_logsumexp, "per row of float32 or bfloat16 logits [R, V]: max, its first index, log-sum-exp (float32)");
   m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32 or bfloat16)");
   m.def("coded_linear", &coded_linear, "x [M, K] . W^T with W held as Q4_1 or Q8_0 codes (ops/quantized.py); x float32, or bfloat16 with W rounded to bfloat16");
   m.def("coded_expand", &coded_expand, "the float32 weights [N, K] that Q4_1 or Q8_0 codes stand for");

@@ -291,33 +291,25 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
-// logits [R, V] -> per row (max, first index of the max, log-sum-exp): torch's logits.max(-1) and
-// logsumexp(-1) in two passes over each row, without the [R, V] temporaries torch writes. A row with a
-// NaN, or whose max is not finite, gets a NaN log-sum-exp: the caller then uses torch's own ops.
-std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
-              "greedy_logsumexp: contiguous float32 [rows, vocab]");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0, "greedy_logsumexp: empty rows");
-  auto best = at::empty({rows}, logits.options());
-  auto index = at::empty({rows}, logits.options().dtype(at::kLong));
-  auto lse = at::empty({rows}, logits.options());
-  const float* lp = logits.data_ptr<float>();
-  float* bp = best.data_ptr<float>();
-  int64_t* ip = index.data_ptr<int64_t>();
-  float* sp = lse.data_ptr<float>();
+namespace {
+
+// greedy_logsumexp's rows (below) of float32 or bfloat16 logits: a bfloat16 row gives what its float32
+// widening would, the same operations on the same values, without writing the widened copy first
+template <typename T>
+void greedy_rows(const T* lp, int64_t rows, int64_t vocab, float* bp, int64_t* ip, float* sp) {
+  using pagedserve::to_float;
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* x = lp + r * vocab;
+      const T* x = lp + r * vocab;
       // the max (and whether any NaN), then the first position that holds it
-      float m = x[0];
+      float m = to_float(x[0]);
       bool nan = false;
       int64_t i = 0;
 #ifdef PAGEDSERVE_AVX512
-      __m512 mx = _mm512_set1_ps(x[0]);
+      __m512 mx = _mm512_set1_ps(m);
       __mmask16 unordered = 0;
       for (; i + 16 <= vocab; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 v = pagedserve::load16(x + i);
         unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         mx = _mm512_max_ps(mx, v);
       }
@@ -325,17 +317,18 @@ std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
       nan = unordered != 0;
 #endif
       for (; i < vocab; ++i) {
-        nan |= x[i] != x[i];
-        m = x[i] > m ? x[i] : m;
+        const float xi = to_float(x[i]);
+        nan |= xi != xi;
+        m = xi > m ? xi : m;
       }
       int64_t at = 0;
 #ifdef PAGEDSERVE_AVX512
       for (const __m512 mv = _mm512_set1_ps(m); at + 16 <= vocab; at += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), mv, _CMP_EQ_OQ);
+        const __mmask16 hit = _mm512_cmp_ps_mask(pagedserve::load16(x + at), mv, _CMP_EQ_OQ);
         if (hit) { at += __builtin_ctz(hit); break; }
       }
 #endif
-      while (at < vocab && !(x[at] == m)) ++at;
+      while (at < vocab && !(to_float(x[at]) == m)) ++at;
       bp[r] = m;
       ip[r] = at < vocab ? at : 0;
       if (nan || !std::isfinite(m)) { sp[r] = std::numeric_limits<float>::quiet_NaN(); continue; }
@@ -345,13 +338,35 @@ std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
       const __m512 mv = _mm512_set1_ps(m);
       __m512 total = _mm512_setzero_ps();
       for (; i + 16 <= vocab; i += 16)
-        total = _mm512_add_ps(total, pagedserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv)));
+        total = _mm512_add_ps(total, pagedserve::exp16(_mm512_sub_ps(pagedserve::load16(x + i), mv)));
       sum = _mm512_reduce_add_ps(total);
 #endif
-      for (; i < vocab; ++i) sum += std::exp(x[i] - m);
+      for (; i < vocab; ++i) sum += std::exp(to_float(x[i]) - m);
       sp[r] = m + std::log(sum);
     }
   });
+}
+
+}  // namespace
+
+// logits [R, V] -> per row (max, first index of the max, log-sum-exp): torch's logits.max(-1) and
+// logsumexp(-1) in two passes over each row, without the [R, V] temporaries torch writes. A row with a
+// NaN, or whose max is not finite, gets a NaN log-sum-exp: the caller then uses torch's own ops. The
+// results are float32 whatever the logits' type.
+std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits) {
+  TORCH_CHECK(float_or_bf16(logits) && logits.dim() == 2 && logits.is_contiguous(),
+              "greedy_logsumexp: contiguous float32 or bfloat16 [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "greedy_logsumexp: empty rows");
+  const auto options = logits.options().dtype(at::kFloat);
+  auto best = at::empty({rows}, options);
+  auto index = at::empty({rows}, options.dtype(at::kLong));
+  auto lse = at::empty({rows}, options);
+  float* bp = best.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  float* sp = lse.data_ptr<float>();
+  if (logits.scalar_type() == at::kFloat) greedy_rows(logits.data_ptr<float>(), rows, vocab, bp, ip, sp);
+  else greedy_rows(reinterpret_cast<const bf16*>(logits.data_ptr<at::BFloat16>()), rows, vocab, bp, ip, sp);
   return {best, index, lse};
 }
 

@@ -374,6 +374,26 @@ def test_greedy_logsumexp_is_torchs_max_first_index_and_logsumexp(kernel, vocab)
         assert torch.equal(a, b) or torch.allclose(a, b, equal_nan=True)
 
 
+@pytest.mark.parametrize("vocab", [1, 37, 49152])
+def test_greedy_logsumexp_of_bfloat16_logits_is_that_of_their_float32_copy(kernel, vocab):
+    # the sampler hands plain greedy rows' bfloat16 logits over as they are: every result must be the one
+    # their float32 widening gives, bit for bit (ties, masked tokens, and the rows left to torch included)
+    from data_plane.sampler import greedy_logsumexp
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=gen) * 8).to(torch.bfloat16)
+    logits[1, vocab // 2 + 1:] = float("-inf")
+    logits[2, vocab - 1] = logits[2, vocab // 3] = logits[2].max() + 1   # a tie: the first index wins
+    logits[5, -1] = logits[5].max() + 1                                   # the max in the tail past 16s
+    for got, want in zip(kernel.greedy_logsumexp(logits), kernel.greedy_logsumexp(logits.float())):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    logits[3, 0] = float("nan")
+    logits[4] = float("-inf")
+    for got, want in zip(greedy_logsumexp(logits), greedy_logsumexp(logits.float())):
+        assert got.dtype == want.dtype and (torch.equal(got, want) or torch.allclose(got, want, equal_nan=True))
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
+        kernel.greedy_logsumexp(logits.half())
+
+
 def test_fused_layer_ops_refuse_what_they_cannot_compute(kernel):
     with pytest.raises(RuntimeError, match="residual must be contiguous float32 or bfloat16"):
         kernel.add_rms_norm(torch.randn(4, 8, dtype=torch.float64), None, torch.randn(8), 1e-6)

@@ -25,6 +25,20 @@ def test_greedy_picks_argmax_and_reports_its_logprob():
     assert [t for t, _ in out.top_logprobs] == [1, 2]
 
 
+def test_bfloat16_logits_give_the_draws_of_their_float32_copy():
+    # plain greedy rows read bfloat16 logits as they are, the others from a float32 copy: either way the
+    # draws and log-probs are those of the float32 logits
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 300, generator=gen) * 4).to(torch.bfloat16)
+    for rows in ([row(temperature=0.0), row(temperature=0.0, logprobs=0)],
+                 [row(temperature=0.0), row(temperature=0.0, logprobs=3)],
+                 [row(temperature=0.0), row(temperature=0.0, repetition_penalty=1.3, output=[5, 7])],
+                 [row(temperature=0.7, seed=11), row(temperature=0.0)]):
+        got, want = sample(logits[:len(rows)].clone(), rows), sample(logits[:len(rows)].float(), rows)
+        assert [[(d.token_id, d.logprob, d.top_logprobs) for d in g] for g in got] == \
+            [[(d.token_id, d.logprob, d.top_logprobs) for d in w] for w in want]
+
+
 def test_seeded_sampling_is_independent_of_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
