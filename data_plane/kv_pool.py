@@ -20,7 +20,9 @@ block i (G groups). Where every layer reads as far, there is one group and S is 
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -96,8 +98,29 @@ def layout(layer_reaches: dict[int, int | None], num_layers: int) -> Layout:
     return Layout(size, slabs, groups, reaches)
 
 
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14   # <sys/mman.h> on Linux
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back a CPU tensor's memory (the whole 2 MiB pages inside it) with transparent huge pages,
+    before anything touches it; whether the kernel took the advice (it needs THP in `madvise` or `always`
+    mode to act on it). A decode step's attention reads blocks scattered over the pool: with 4 KiB pages
+    nearly every block is a page of its own to translate."""
+    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    length = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // HUGE_PAGE * HUGE_PAGE
+    if length <= 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+
+
 def allocate_pool(num_slabs: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`num_slabs`: a block's slabs (see `Layout`)."""
+    """`num_slabs`: a block's slabs (see `Layout`). On a CPU, in huge pages where Linux allows them."""
+    pool = torch.empty(num_slabs, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    advise_huge_pages(pool)
     # zeros, not empty: padding slots of a gathered block are read (then masked) by the CPU path
-    return torch.zeros(num_slabs, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return pool.zero_()

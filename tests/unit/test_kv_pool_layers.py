@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from control_plane.preemption import PreemptionPolicy
-from data_plane import attention, metrics, model_support
+from data_plane import attention, kv_pool, metrics, model_support
 from data_plane.kv_pool import GIB
 from data_plane.model_runner import ModelRunner
 from data_plane.state_pool import DEFAULT_NUM_SLOTS
@@ -96,3 +96,13 @@ def test_a_model_without_attention_layers_has_a_pool_of_no_slab():
     result = runner.execute(StepPlan(1, new_seqs=[NewSequence(1, PROMPT, len(PROMPT), 0, len(PROMPT), [0, 1, 2],
                                                               SamplingSpec(temperature=0.0), state_slot=0)]))
     assert len(result.sampled) == 1
+
+
+def test_a_cpu_pool_is_zeros_and_asks_for_huge_pages_where_linux_has_them():
+    import os
+    pool = kv_pool.allocate_pool(1, 32, 16, 4, 64, torch.float32, torch.device("cpu"))   # 2 x 2 MiB
+    assert pool.shape == (1, 2, 32, 16, 4, 64) and not bool(pool.any())
+    # the advice is refused only where the kernel has no transparent huge pages at all
+    has_thp = os.path.isdir("/sys/kernel/mm/transparent_hugepage")
+    assert kv_pool.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8)) == has_thp
+    assert not kv_pool.advise_huge_pages(torch.empty(16))   # no whole huge page inside it
