@@ -104,9 +104,9 @@ MADV_HUGEPAGE = 14   # <sys/mman.h> on Linux
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux to back a CPU tensor's memory (the whole 2 MiB pages inside it) with transparent huge pages,
-    before anything touches it; whether the kernel took the advice (it needs THP in `madvise` or `always`
-    mode to act on it). A decode step's attention reads blocks scattered over the pool: with 4 KiB pages
-    nearly every block is a page of its own to translate."""
+    before anything touches it; whether Linux accepted the advice (it acts on it where transparent huge
+    pages are in `madvise` or `always` mode). A decode step's attention reads blocks scattered over the
+    pool: with 4 KiB pages nearly every block is a page of its own to translate."""
     if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
