@@ -113,7 +113,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     length = (tensor.data_ptr() + tensor.numel() * tensor.element_size() - start) // HUGE_PAGE * HUGE_PAGE
     if length <= 0:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
 
 

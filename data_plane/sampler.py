@@ -160,26 +160,24 @@ def needs_processing(row: SampleRow) -> bool:
         or row.num_outputs < spec.min_tokens or spec.adjusts_logits
 
 
-def argmax_only(row: SampleRow) -> bool:
-    """Whether all the row needs is the first index of its largest raw logit: one greedy draw, no
-    log-prob asked for (logprobs -1), nothing changing its logits, not a beam's."""
-    spec = row.spec
-    return spec.temperature == 0.0 and spec.logprobs < 0 and not spec.beam_width and row.num_draws == 1 \
-        and row.token_mask is None and not needs_processing(row)
-
-
-def _greedy_plain(row: SampleRow) -> bool:
+def greedy_plain(row: SampleRow) -> bool:
     """Whether a row's draws need only the greedy pass over its raw logits: temperature 0, no
     alternatives' log-probs, nothing changing its logits."""
     return row.spec.temperature == 0.0 and row.spec.logprobs <= 0 and row.token_mask is None \
         and not needs_processing(row)
 
 
+def argmax_only(row: SampleRow) -> bool:
+    """Whether all the row needs is the first index of its largest raw logit: a greedy_plain row with one
+    draw, no log-prob asked for (logprobs -1), not a beam's."""
+    return greedy_plain(row) and row.spec.logprobs < 0 and not row.spec.beam_width and row.num_draws == 1
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutput]]:
     """logits: [rows, vocab] in any float dtype; one SampleRow per logits row; per row, its draws."""
     # greedy rows that report at most their token's log-prob read bfloat16 logits as they are (the greedy
     # pass widens them as it reads): a 64-row step skips writing a float32 copy of its 49152 logits a row
-    if not (logits.dtype == torch.bfloat16 and all(_greedy_plain(row) for row in rows)):
+    if not (logits.dtype == torch.bfloat16 and all(greedy_plain(row) for row in rows)):
         logits = logits.float()
     apply_token_masks(logits, rows)
     for i, row in enumerate(rows):
