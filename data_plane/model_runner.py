@@ -93,6 +93,11 @@ class ModelRunner:
         if compiled is not None:
             log.info("Triton kernels compiled for every kind of step in %.1f s", compiled)
         routes, why_not = self._route(config, wide_codes)
+        if self.device.type == "cpu":
+            started = time.perf_counter()
+            if linear_ops.warm_up(linear_ops.routed_in(self.model) + (self.lean.linears() if self.lean else [])):
+                log.info("oneDNN's bfloat16 GEMM kernels made for steps of 1-%d rows in %.1f s", linear_ops.WARM_ROWS,
+                         time.perf_counter() - started)
         # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): float32 CPU, one rank
         self.greedy_head = greedy_head.build(self.final_logits, cpu_kernels.load()) \
             if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None

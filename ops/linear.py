@@ -50,6 +50,10 @@ SKINNY_MAX_ROWS = 8
 # the codes' expansion from about 8 rows on (every product of SmolLM2: bench/route_rows.py)
 BF16_CODES_MAX_ROWS = 4
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
+# oneDNN generates its GEMM's code the first time it meets a row count (its cache then keeps it): a few
+# milliseconds a weight shape, which a decode step pays once for each new batch size. warm_up has that done
+# at start for the batch sizes up to here, where the steps are short enough for the stall to show
+WARM_ROWS = 64
 
 
 def _packed_gemm(x, packed, weight, bias, rows):
@@ -151,6 +155,29 @@ class RoutedLinear:
             packed = self.packed
             return lambda x: _packed_gemm(x, packed, weight, bias, x.shape[0])
         return lambda x: F.linear(x, weight, bias)
+
+
+def routed_in(model: torch.nn.Module) -> list[RoutedLinear]:
+    """The RoutedLinear that route_linears set as `model`'s layers' forward."""
+    return [m.forward for m in model.modules() if isinstance(m.__dict__.get("forward"), RoutedLinear)]
+
+
+def warm_up(linears, rows: int = WARM_ROWS) -> int:
+    """Runs the route of every row count from 1 to `rows` once for each distinct bfloat16 weight (shape,
+    bias or none) among the RoutedLinear `linears` that has oneDNN's packed copy, on zeros: oneDNN's
+    kernels for those row counts are then generated before a step needs them. Returns the calls made."""
+    seen, calls = set(), 0
+    for lin in linears:
+        key = (tuple(lin.weight.shape), lin.bias is None)
+        if lin.packed is None or lin.weight.dtype != torch.bfloat16 or key in seen:
+            continue
+        seen.add(key)
+        x = torch.zeros(rows, lin.weight.shape[1], dtype=lin.weight.dtype)
+        with torch.no_grad():
+            for count in range(1, rows + 1):
+                lin.route(count)(x[:count])
+                calls += 1
+    return calls
 
 
 ROUTED_DTYPES = (torch.float32, torch.bfloat16)
