@@ -98,7 +98,7 @@ class ModelRunner:
             if linear_ops.warm_up(linear_ops.routed_in(self.model) + (self.lean.linears() if self.lean else [])):
                 log.info("oneDNN's bfloat16 GEMM kernels made for steps of 1-%d rows in %.1f s", linear_ops.WARM_ROWS,
                          time.perf_counter() - started)
-        # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): CPU, one rank
+        # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): float32 CPU, one rank
         self.greedy_head = greedy_head.build(self.final_logits, cpu_kernels.load()) \
             if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
         if self.greedy_head is not None:
@@ -461,7 +461,7 @@ class ModelRunner:
         logits and the sampler."""
         draws: list = [None] * len(inputs)
         quick = [i for i, row in enumerate(inputs) if sampler.argmax_only(row)] if self.greedy_head else []
-        if quick and self.greedy_head.takes(len(quick)):
+        if len(quick) >= greedy_head.MIN_ROWS:
             index = torch.tensor(quick, device=self.device)
             tokens, _ = self.greedy_head.tokens(hidden_rows.index_select(0, index))
             for i, token in zip(quick, tokens):

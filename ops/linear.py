@@ -68,16 +68,13 @@ def has_packed_bf16_gemm() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def has_amx() -> bool:
-    """Whether the CPU has AMX tiles (oneDNN's bfloat16 GEMM then runs on them)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(amx is not None and amx())
-
-
 def bf16_dot_kernel(kernel) -> bool:
     """Whether bfloat16 products take the kernel's AVX512-BF16 route: the build has it, and the CPU has
     no AMX tiles (oneDNN's AMX kernels are faster there)."""
-    return kernel is not None and kernel.has_bf16_dot() and not has_amx()
+    if kernel is None or not kernel.has_bf16_dot():
+        return False
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return not (amx is not None and amx())
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:

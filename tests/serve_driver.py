@@ -44,14 +44,13 @@ class Served:
 
 def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
           max_num_seqs: int = 3, budget: int = 16, free_window: bool = True, swap: bool = False,
-          samples: dict[int, int] | None = None, logprobs: int | None = 0, dtype: str = "float32") -> Served:
+          samples: dict[int, int] | None = None, logprobs: int | None = 0) -> Served:
     """Greedy decoding of every prompt (all queued at once, in order) on a pool of `num_blocks`;
     `free_window`: the block manager learns the window from the handshake, as the engine's does;
     `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed;
-    `samples`: prompt index -> n greedy parallel samples (forks of the first); `logprobs`: as play's; `dtype`:
-    the runner's (a float32 model served in bfloat16 is narrowed by it)."""
+    `samples`: prompt index -> n greedy parallel samples (forks of the first); `logprobs`: as play's."""
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
-                             swap_blocks=num_blocks if swap else 0, dtype=dtype)
+                             swap_blocks=num_blocks if swap else 0)
     runner = ModelRunner(model, config, torch.device("cpu"))
     handshake = runner.handshake()
     window = handshake.sliding_window

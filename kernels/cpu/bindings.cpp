@@ -24,8 +24,6 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed);
 bool has_q8_argmax();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
                                   at::Tensor absums);
-std::vector<at::Tensor> q8_candidates(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor absums,
-                                      double margin, double slack);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {
@@ -60,6 +58,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)");
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI)");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (kernels/cpu/greedy_head.cpp)");
-  m.def("q8_candidates", &q8_candidates, "per float32 row of x: the outputs of a Q8_0 output layer that the first pass of q8_argmax leaves in the running, with a wider margin and a slack for rounded logits (kernels/cpu/greedy_head.cpp)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

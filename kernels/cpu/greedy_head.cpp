@@ -16,10 +16,6 @@
 // The first pass reads the codes plus 128 as unsigned bytes (VPDPBUSD multiplies unsigned by signed), laid
 // out [N / 16, K / 4, 16, 4]: for group g and inputs 4j..4j+3, the 16 rows' four codes, one 32-bit lane
 // per row; sum (c + 128) q = sum c q + 128 sum q, so each block's accumulator starts at -128 * sum q.
-//
-// q8_candidates stops after the first pass and returns the outputs in the running, for an output layer whose
-// exact logits the caller computes its own way (ops/greedy_head.py: the codes rounded to bfloat16), with the
-// margin widened to cover that layer's own difference from the real product and a slack for rounded logits.
 #include "aten.h"
 
 #include <algorithm>
@@ -95,27 +91,15 @@ struct Found {
   std::vector<std::vector<std::pair<int64_t, float>>> outputs;
 };
 
-// how wide the running is: the bound's multiple (kMargin, or more where the exact logits are not the
-// ones the first pass estimates), and a relative slack under the largest lower end, for logits that are
-// rounded (to bfloat16) before they are compared: an output whose logit rounds to the same value as the
-// largest ties with it, and the first index of a tie wins
-struct Reach {
-  float margin = kMargin;
-  float slack = 0.f;
-  float floor(float lower) const {
-    return slack > 0.f ? lower - std::fabs(lower) * slack - std::numeric_limits<float>::min() : lower;
-  }
-};
-
 #ifdef PAGEDSERVE_Q8_ARGMAX
 // the outputs of group g whose upper end reaches the row's largest lower end so far, given the row's
 // approximate logits and their bounds' sums
-inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, const Reach& how, Found& found) {
-  const __m512 margin = _mm512_mul_ps(bound, _mm512_set1_ps(how.margin));
+inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, Found& found) {
+  const __m512 margin = _mm512_mul_ps(bound, _mm512_set1_ps(kMargin));
   float& lower = found.lower[m];
   lower = std::max(lower, _mm512_reduce_max_ps(_mm512_sub_ps(total, margin)));
   const __m512 upper = _mm512_add_ps(total, margin);
-  __mmask16 reach = _mm512_cmp_ps_mask(upper, _mm512_set1_ps(how.floor(lower)), _CMP_GE_OQ);
+  __mmask16 reach = _mm512_cmp_ps_mask(upper, _mm512_set1_ps(lower), _CMP_GE_OQ);
   if (!reach) return;
   alignas(64) float up[kGroup];
   _mm512_store_ps(up, upper);
@@ -130,7 +114,7 @@ inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, cons
 // broadcast of x C of them (one load per product held VPDPBUSD to about a third of its rate)
 template <int R, int C, bool Ask>
 void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const at::Half* scales, const float* absums,
-                 int64_t g, int64_t K, const Reach& how, Found& found) {
+                 int64_t g, int64_t K, Found& found) {
   const int64_t blocks = K / kBlock;
   __m512 total[R][C];
   for (int r = 0; r < R; ++r)
@@ -174,21 +158,21 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
       for (int64_t b = 0; b < blocks; ++b)
         bound = _mm512_fmadd_ps(_mm512_loadu_ps(absums + ((g + c) * blocks + b) * kGroup),
                                 _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), bound);
-      keep_reaching(total[r][c], bound, m0 + r, g + c, how, found);
+      keep_reaching(total[r][c], bound, m0 + r, g + c, found);
     }
 }
 
 template <int C>
 void approx_rows(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales, const float* absums,
-                 int64_t g, int64_t K, const Reach& how, Found& found) {
+                 int64_t g, int64_t K, Found& found) {
   // the first tile of rows asks for the next groups (Ask), the others do not
   const auto tile = [&](auto ask, int64_t m0) {
     constexpr bool Ask = decltype(ask)::value;
     switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: approx_tile<1, C, Ask>(xq, m0, packed, scales, absums, g, K, how, found); break;
-      case 2: approx_tile<2, C, Ask>(xq, m0, packed, scales, absums, g, K, how, found); break;
-      case 3: approx_tile<3, C, Ask>(xq, m0, packed, scales, absums, g, K, how, found); break;
-      default: approx_tile<4, C, Ask>(xq, m0, packed, scales, absums, g, K, how, found); break;
+      case 1: approx_tile<1, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 2: approx_tile<2, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 3: approx_tile<3, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      default: approx_tile<4, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
     }
   };
   if (M > 0) tile(std::true_type{}, 0);
@@ -196,11 +180,11 @@ void approx_rows(const QuantRows& xq, int64_t M, const uint8_t* packed, const at
 }
 
 void approx_groups(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales,
-                   const float* absums, int64_t g0, int64_t g1, int64_t K, const Reach& how, Found& found) {
+                   const float* absums, int64_t g0, int64_t g1, int64_t K, Found& found) {
   int64_t g = g0;
   for (; g + kTileGroups <= g1; g += kTileGroups)
-    approx_rows<kTileGroups>(xq, M, packed, scales, absums, g, K, how, found);
-  for (; g < g1; ++g) approx_rows<1>(xq, M, packed, scales, absums, g, K, how, found);
+    approx_rows<kTileGroups>(xq, M, packed, scales, absums, g, K, found);
+  for (; g < g1; ++g) approx_rows<1>(xq, M, packed, scales, absums, g, K, found);
 }
 #endif
 
@@ -228,74 +212,42 @@ bool has_q8_argmax() {
 #endif
 }
 
-namespace {
-
-// checks the first pass's inputs: x [M, K] float32; packed uint8 [N / 16, K / 4, 16, 4] (codes + 128);
-// scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]: |scale| *
-// sum |codes| per block
-void check_first_pass(const char* name, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& absums) {
-  TORCH_CHECK(has_q8_argmax(), name, ": this build has no AVX512-VNNI");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), name, ": x [M, K] float32");
-  const int64_t K = x.size(1), groups = packed.size(0), blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && K > 0, name, ": K a positive multiple of 32");
+// x [M, K] float32; packed uint8 [N / 16, K / 4, 16, 4] (codes + 128); codes int8 [N / 16, K, 16] and
+// scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]:
+// |scale| * sum |codes| per block. Returns the token [M] (int64; -1 for a row with a value that is not
+// finite: the caller computes that row in full), its logit [M] (float32) and how many outputs were
+// computed exactly [M] (int64).
+std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
+                                  at::Tensor absums) {
+  TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has no AVX512-VNNI");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q8_argmax: x [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && K > 0, "q8_argmax: K a positive multiple of 32");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.dim() == 3 && codes.size(1) == K &&
+              codes.size(2) == kGroup, "q8_argmax: codes int8 [N / 16, K, 16]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
-              packed.size(1) == K / 4 && packed.size(2) == kGroup && packed.size(3) == 4,
-              name, ": packed uint8 [N / 16, K / 4, 16, 4]");
+              packed.size(0) == groups && packed.size(1) == K / 4 && packed.size(2) == kGroup && packed.size(3) == 4,
+              "q8_argmax: packed uint8 [N / 16, K / 4, 16, 4]");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
               scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == kGroup,
-              name, ": scales float16 [N / 16, K / 32, 16]");
+              "q8_argmax: scales float16 [N / 16, K / 32, 16]");
   TORCH_CHECK(absums.scalar_type() == at::kFloat && absums.is_contiguous() && absums.sizes() == scales.sizes(),
-              name, ": absums float32 [N / 16, K / 32, 16]");
-}
-
-// the first pass over every output: per row, its int8 blocks and, per thread's range of groups, the outputs
-// that stayed in the running
-std::pair<QuantRows, std::vector<Found>> first_pass(const at::Tensor& x, const at::Tensor& packed,
-                                                    const at::Tensor& scales, const at::Tensor& absums,
-                                                    const Reach& how) {
-  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0);
-  QuantRows xq = quantize(x.data_ptr<float>(), M, K);
+              "q8_argmax: absums float32 [N / 16, K / 32, 16]");
+  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
+  auto logits = at::empty({M}, x.options());
+  auto counts = at::empty({M}, x.options().dtype(at::kLong));
+#ifdef PAGEDSERVE_Q8_ARGMAX
+  const float* xp = x.data_ptr<float>();
+  const QuantRows xq = quantize(xp, M, K);
   // each thread a contiguous range of groups, its own list per row
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
   std::vector<Found> found(parts, Found{std::vector<float>(M, -std::numeric_limits<float>::infinity()),
                                         std::vector<std::vector<std::pair<int64_t, float>>>(M)});
-#ifdef PAGEDSERVE_Q8_ARGMAX
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       approx_groups(xq, M, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), absums.data_ptr<float>(),
-                    groups * p / parts, groups * (p + 1) / parts, K, how, found[p]);
+                    groups * p / parts, groups * (p + 1) / parts, K, found[p]);
   });
-#endif
-  return {std::move(xq), std::move(found)};
-}
-
-// the row's largest lower end over the threads' parts
-float row_lower(const std::vector<Found>& found, int64_t m) {
-  float lower = -std::numeric_limits<float>::infinity();
-  for (const Found& f : found) lower = std::max(lower, f.lower[m]);
-  return lower;
-}
-
-}  // namespace
-
-// x [M, K] float32; codes int8 [N / 16, K, 16] (coded_linear's); packed, scales, absums: check_first_pass.
-// Returns the token [M] (int64; -1 for a row with a value that is not finite: the caller computes that row
-// in full), its logit [M] (float32) and how many outputs were computed exactly [M] (int64).
-std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums) {
-  check_first_pass("q8_argmax", x, packed, scales, absums);
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.dim() == 3 &&
-              codes.size(0) == packed.size(0) && codes.size(1) == K && codes.size(2) == kGroup,
-              "q8_argmax: codes int8 [N / 16, K, 16]");
-  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
-  auto logits = at::empty({M}, x.options());
-  auto counts = at::empty({M}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  const auto pass = first_pass(x, packed, scales, absums, Reach{});
-  const QuantRows& xq = pass.first;
-  const std::vector<Found>& found = pass.second;
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* lp = logits.data_ptr<float>();
   int64_t* cp = counts.data_ptr<int64_t>();
@@ -303,7 +255,8 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
     for (int64_t m = m0; m < m1; ++m) {
       tp[m] = -1, lp[m] = std::numeric_limits<float>::quiet_NaN(), cp[m] = 0;
       if (!xq.finite[m]) continue;
-      const float lower = row_lower(found, m);
+      float lower = -std::numeric_limits<float>::infinity();
+      for (const Found& f : found) lower = std::max(lower, f.lower[m]);
       // parts in order, each in increasing order: the first largest is the first index
       for (const Found& f : found)
         for (const auto& [n, upper] : f.outputs[m]) {
@@ -314,41 +267,6 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
         }
     }
   });
+#endif
   return {tokens, logits, counts};
-}
-
-// The first pass alone, for logits that the caller computes exactly its own way (a bfloat16 output layer
-// whose weights are the codes rounded): `margin` the bound's multiple that covers the difference between
-// the first pass's real product and the caller's logits, `slack` the relative width under the largest
-// lower end that a rounding of the logits can tie (Reach). Returns per row the outputs in the running, in
-// increasing order, as candidates [total] (int64) with offsets [M + 1] (row m's are candidates[offsets[m]
-// .. offsets[m + 1])), and finite [M] (bool; false: a value of the row is not finite, no candidates).
-std::vector<at::Tensor> q8_candidates(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor absums,
-                                      double margin, double slack) {
-  check_first_pass("q8_candidates", x, packed, scales, absums);
-  TORCH_CHECK(margin >= kMargin && slack >= 0.0, "q8_candidates: margin at least the first pass's own (0.51), slack >= 0");
-  const int64_t M = x.size(0);
-  const Reach how{static_cast<float>(margin), static_cast<float>(slack)};
-  const auto pass = first_pass(x, packed, scales, absums, how);
-  const QuantRows& xq = pass.first;
-  const std::vector<Found>& found = pass.second;
-  auto offsets = at::empty({M + 1}, x.options().dtype(at::kLong));
-  auto finite = at::empty({M}, x.options().dtype(at::kBool));
-  int64_t* op = offsets.data_ptr<int64_t>();
-  bool* fp = finite.data_ptr<bool>();
-  std::vector<int64_t> kept;
-  op[0] = 0;
-  for (int64_t m = 0; m < M; ++m) {
-    fp[m] = xq.finite[m] != 0;
-    if (fp[m]) {
-      const float floor = how.floor(row_lower(found, m));
-      for (const Found& f : found)
-        for (const auto& [n, upper] : f.outputs[m])
-          if (upper >= floor) kept.push_back(n);
-    }
-    op[m + 1] = static_cast<int64_t>(kept.size());
-  }
-  auto candidates = at::empty({static_cast<int64_t>(kept.size())}, x.options().dtype(at::kLong));
-  std::copy(kept.begin(), kept.end(), candidates.data_ptr<int64_t>());
-  return {candidates, offsets, finite};
 }

@@ -86,29 +86,3 @@ def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
     served = serve(model, prompts, 6, block_size=4, num_blocks=64, max_num_seqs=7, logprobs=None)
     assert argmax_rows and min(argmax_rows) >= greedy_head_module.MIN_ROWS, argmax_rows
     assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
-
-
-def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
-    """Served in bfloat16 (narrowed by the runner, its output layer the Q8_0 codes rounded), greedy rows
-    asking for no log-prob take their token from the first pass and their candidates' logits, from steps of
-    one row on: the tokens of the full logits."""
-    kernel = cpu_kernels.load()
-    assert kernel is not None, cpu_kernels.failure()
-    if not kernel.has_q8_argmax():
-        pytest.skip("no AVX512-VNNI: no greedy head on this CPU")
-    rows, real = [], kernel.q8_candidates
-
-    def spy(x, *rest):
-        rows.append(x.shape[0])
-        return real(x, *rest)
-    monkeypatch.setattr(kernel, "q8_candidates", spy)
-    served, calls = {}, {}
-    for on in (False, True):
-        monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if on else "0")
-        model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
-        served[on] = serve(model, PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS, logprobs=None,
-                           dtype="bfloat16")
-        calls[on] = list(rows)
-    assert calls[False] == [] and min(calls[True]) == 1 and max(calls[True]) > 1, calls
-    assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in served[False].outputs]
-    assert all(math.isnan(v) for _, logprobs in served[True].outputs for v in logprobs)

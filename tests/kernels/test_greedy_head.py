@@ -96,7 +96,7 @@ def test_a_row_with_a_nan_or_an_infinity_is_left_to_the_full_logits(vnni):
     assert tokens[1] == int(_full(vnni, codes, x[1:2].contiguous())[2])
 
 
-def test_build_takes_a_q8_0_head_in_float32_or_rounded_to_bfloat16(vnni, monkeypatch):
+def test_build_takes_only_a_float32_q8_0_head(vnni, monkeypatch):
     q8 = torch.nn.Linear(96, 640, bias=False)
     q8.weight.data = _head()[0]
     linear.route_linears(q8, codes=True)
@@ -105,88 +105,7 @@ def test_build_takes_a_q8_0_head_in_float32_or_rounded_to_bfloat16(vnni, monkeyp
     assert built.nbytes == 640 * 96 + 640 * 3 * 4
     plain = torch.nn.Linear(96, 640, bias=False)          # random floats: no codes
     assert greedy_head.build(plain, vnni) is None
-    narrow = greedy_head.build(q8.to(torch.bfloat16), vnni)   # the route's codes, rounded: the weight's bits
-    assert narrow is not None and narrow.weight is q8.weight and narrow.codes is q8.forward.codes
-    q8.weight.data = (q8.weight.float() * 1.01).to(torch.bfloat16)      # no longer those codes rounded
-    assert greedy_head.build(q8, vnni) is None
+    assert greedy_head.build(q8.to(torch.bfloat16), vnni) is None
     assert greedy_head.build(q8.float(), None) is None
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "0")
     assert greedy_head.build(q8.float(), vnni) is None
-
-
-def _bf16_full(kernel, weight, x):
-    """A bfloat16 layer's logits (F.linear) and their first argmax, as the sampler takes it."""
-    logits = torch.nn.functional.linear(x, weight)
-    _, index, _ = kernel.greedy_logsumexp(logits)
-    return logits, index
-
-
-def _bf16_head(vnni, n=640, k=96, seed=0):
-    wide, codes = _head(n, k, seed)
-    narrow = wide.to(torch.bfloat16)
-    assert codes.rounds_to(vnni, narrow)
-    return narrow, greedy_head.GreedyHead(vnni, codes, narrow)
-
-
-@pytest.mark.parametrize("rows", [1, 5, 24])
-def test_bfloat16_token_is_the_full_products(vnni, rows):
-    narrow, head = _bf16_head(vnni)
-    x = _rows(narrow.shape[1])[:rows].to(torch.bfloat16)
-    _, index = _bf16_full(vnni, narrow, x)
-    tokens, counts = head.tokens(x)
-    assert tokens == index.tolist()
-    assert all(1 <= c <= narrow.shape[0] for c in counts)
-    assert counts[0] < narrow.shape[0] // 4, counts   # most logits never computed
-
-
-def test_bfloat16_many_random_rows_at_every_scale_against_the_full_product(vnni):
-    # bfloat16 logits tie far more often than float32 ones: the slack must keep every output that can
-    # round to the largest value, and the first of them must win
-    narrow, head = _bf16_head(vnni, n=1024, k=128, seed=5)
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(300, 128, generator=g) * torch.logspace(-6, 4, 300)[:, None]
-    x[::7, 5] *= 300.0
-    x = x.to(torch.bfloat16)
-    logits, index = _bf16_full(vnni, narrow, x)
-    tokens, _ = head.tokens(x)
-    assert tokens == index.tolist()
-    ties = (logits == logits.max(1, keepdim=True).values).sum(1)
-    assert (ties > 1).any()   # the check met ties, and resolved them as the full product does
-
-
-def test_bfloat16_ties_go_to_the_first_index_and_non_finite_rows_to_the_full_logits(vnni):
-    wide, _ = _head()
-    wide = wide.clone()
-    for n in (300, 77, 600):
-        wide[n] = wide[5] * 4
-    codes = quantized.find_codes(wide)
-    narrow = wide.to(torch.bfloat16)
-    head = greedy_head.GreedyHead(vnni, codes, narrow)
-    x = torch.stack([narrow[5].float() * 2, torch.randn(96), torch.randn(96)]).to(torch.bfloat16)
-    x[1, 3] = float("nan")
-    x[2, 9] = float("-inf")
-    logits, index = _bf16_full(vnni, narrow, x[:1])
-    assert int(index[0]) == 77 and logits[0, 300] == logits[0, 77] == logits[0, 600]
-    tokens, counts = head.tokens(x)
-    assert tokens == [77, -1, -1] and counts[0] >= 3 and counts[1:] == [0, 0]
-
-
-def test_bfloat16_margin_covers_more_than_the_first_pass():
-    assert greedy_head.bf16_margin(576) > greedy_head.FIRST_PASS_MARGIN + 127 * 2.0 ** -9
-
-
-def test_candidates_widen_with_the_margin_and_the_slack(vnni):
-    _, head = _bf16_head(vnni)
-    x = _rows(96)[:8].contiguous()
-
-    def counts(margin, slack):
-        return vnni.q8_candidates(x, head.packed, head.codes.scales, head.absums, margin, slack)[1].diff()
-
-    base = counts(greedy_head.FIRST_PASS_MARGIN, 0.0)
-    # the first pass alone keeps the outputs q8_argmax computes exactly
-    assert torch.equal(base, vnni.q8_argmax(x, head.packed, head.codes.codes, head.codes.scales, head.absums)[2])
-    for wider in (counts(5.0, 0.0), counts(greedy_head.FIRST_PASS_MARGIN, 0.5)):
-        assert (wider >= base).all() and (wider > base).any()
-    assert (counts(1e6, 0.0) == 640).all()
-    with pytest.raises(RuntimeError, match="margin"):
-        counts(0.3, 0.0)
