@@ -37,4 +37,4 @@ def test_the_runners_routed_layers_are_found_in_the_model():
     counts = linear.route_linears(model, packed=True, codes=False)
     found = linear.routed_in(model)
     assert len(found) == counts["packed"] == 2
-    assert [lin.weight for lin in found][0] is model[0].weight and found[1].weight is model[2].weight
+    assert found[0].weight is model[0].weight and found[1].weight is model[2].weight
