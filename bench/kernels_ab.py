@@ -33,8 +33,10 @@ import _common as C  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (rows, context, spread): with spread, each row's context is drawn from 8 .. 2 x context - 8, as a
 # step's rows differ
-GRID = [(1, 128, False), (1, 512, False), (8, 128, False), (64, 64, False), (64, 128, False), (64, 256, False),
-        (8, 128, True), (64, 128, True), (64, 256, True)]
+# rows, context, and how the contexts differ: "" all equal, "spread" uniform in 8 .. 2 context - 8, "oldest
+# first" the same spread sorted longest first, as a decode step's rows come
+GRID = [(1, 128, ""), (1, 512, ""), (8, 128, ""), (64, 64, ""), (64, 128, ""), (64, 256, ""),
+        (8, 128, "spread"), (64, 128, "spread"), (64, 256, "spread"), (64, 256, "oldest first")]
 LAYERS, BLOCK, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 
 
@@ -71,13 +73,16 @@ def attention(before, after, repeats: int) -> None:
     import torch
     from ops.attention import kernel_rows
     print(f"\npaged decode, {LAYERS} layers, blocks shuffled; ms (median of {repeats})")
-    print(f"{'dtype':9} {'rows':>4} {'context':>9} {'before':>8} {'after':>8} {'after/before':>12}")
+    print(f"{'dtype':9} {'rows':>4} {'context':>9} {'before':>8} {'after':>8} {'after/before':>12}"
+          "   (8-N: contexts spread over 8..N; 8-N<: the same, longest first)")
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         num_blocks = max(rows * ctx for rows, ctx, _ in GRID) // BLOCK * 4
         pool = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
         for rows, ctx, spread in GRID:
             lens = torch.randint(8, 2 * ctx - 7, (rows,), generator=gen) if spread else torch.full((rows,), ctx)
+            if spread == "oldest first":
+                lens = lens.sort(descending=True).values
             width = -(-int(lens.max()) // BLOCK)
             tables = torch.randperm(num_blocks, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
             query = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -92,7 +97,7 @@ def attention(before, after, repeats: int) -> None:
                     outs.append(out)
                 return outs
             b, a = alternate(before, after, run, repeats)
-            label = f"8-{2 * ctx - 8}" if spread else str(ctx)
+            label = (f"8-{2 * ctx - 8}" + ("<" if spread == "oldest first" else "")) if spread else str(ctx)
             print(f"{str(dtype)[6:]:9} {rows:>4} {label:>9} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
 
 

@@ -527,10 +527,28 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
   const bool vector = sh.head_dim % 8 == 0;
   // whole rows per item when there are enough rows to keep every thread busy; else one KV head
   const int64_t heads_per_item = num_rows >= 4 * at::get_num_threads() ? sh.kv_heads : 1;
-  const int64_t items_per_row = sh.kv_heads / heads_per_item;
-  at::parallel_for(0, num_rows * items_per_row, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items_per_row = sh.kv_heads / heads_per_item, items = num_rows * items_per_row;
+  // each thread a contiguous range of items of about equal work, not of equal count: an item's work grows
+  // with its row's context, and a step's rows come oldest first, with the longest contexts
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> bounds(parts + 1, items);
+  bounds[0] = 0;
+  {
+    constexpr int64_t kItemFixed = 16;   // the work of an item apart from its context, in positions
+    int64_t total = 0;
+    for (int64_t item = 0; item < items; ++item) total += lens[item / items_per_row] + kItemFixed;
+    // an item goes to the part that holds its middle: part p's items are those whose middle lies in
+    // [p, p + 1) of total / parts
+    int64_t done = 0, part = 1;
+    for (int64_t item = 0; item < items && part < parts; ++item) {
+      const int64_t work = lens[item / items_per_row] + kItemFixed;
+      while (part < parts && (2 * done + work) * parts >= 2 * total * part) bounds[part++] = item;
+      done += work;
+    }
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> scores, acc;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
       const int64_t tok = toks[r], len = lens[r], end = sh.ends != nullptr ? sh.ends[r] : len;
       const int32_t* table = tables + r * sh.max_blocks;
