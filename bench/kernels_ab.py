@@ -9,7 +9,7 @@ the machine's load hits both alike; medians are printed with after/before, and e
 must be equal bit for bit (a change to speed must not change results):
   attention  paged decode over 30 layers of SmolLM2's shape (9 query heads, 3 KV heads, head_dim 64),
              blocks shuffled over a pool, float32 and bfloat16, a grid of rows x context (every row
-             at that context, or contexts spread around it);
+             at that context, or contexts spread around it, in random order or longest first);
   products   every layer product of SmolLM2's lean forward through the GGUF codes (float32, or bfloat16
              inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it);
   greedy     the greedy head's token and logit (kernels/cpu/greedy_head.cpp) for random float32 rows of
@@ -31,8 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (rows, context, spread): with spread, each row's context is drawn from 8 .. 2 x context - 8, as a
-# step's rows differ
 # rows, context, and how the contexts differ: "" all equal, "spread" uniform in 8 .. 2 context - 8, "oldest
 # first" the same spread sorted longest first, as a decode step's rows come
 GRID = [(1, 128, ""), (1, 512, ""), (8, 128, ""), (64, 64, ""), (64, 128, ""), (64, 256, ""),
