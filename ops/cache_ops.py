@@ -16,7 +16,7 @@ def copy_blocks(caches: list[torch.Tensor], src_block_ids: torch.Tensor, dst_blo
         return
     backend = backend or choose(caches[0].device, caches[0].dtype)
     if backend.triton:
-        from kernels.cache_ops import copy_blocks_triton
+        from pagedserve_kernels.cache_ops import copy_blocks_triton
         copy_blocks_triton(caches, src_block_ids, dst_block_ids)
     else:
         reference.copy_blocks(caches, src_block_ids, dst_block_ids)

@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/cpu/): paged decode attention and the few-row linear. Built once with
+"""The CPU kernels (pagedserve_kernels/cpu/): paged decode attention and the few-row linear. Built once with
 torch's extension builder, then loaded from its cache.
 
     python -m ops.cpu_kernels        # build now (`make install` does this), print where it lives
@@ -16,7 +16,7 @@ import time
 
 log = logging.getLogger("pagedserve.ops")
 
-_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "cpu")
+_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pagedserve_kernels", "cpu")
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp", "coded_linear.cpp", "bf16_linear.cpp",
                                                            "greedy_head.cpp")]
 

@@ -2,7 +2,7 @@
 
 A greedy row whose request asked for no log-probs needs only the first index of its largest logit. When
 the output layer is float32 GGUF Q8_0 codes (the default model's tied embedding), the kernel
-kernels/cpu/greedy_head.cpp finds it from an integer first pass with a proven error bound and the exact
+pagedserve_kernels/cpu/greedy_head.cpp finds it from an integer first pass with a proven error bound and the exact
 logits of the few outputs that bound leaves in the running: the token, and its logit, have the bits the
 full product gives. Needs AVX512-VNNI (`has_q8_argmax`); elsewhere, and with PAGEDSERVE_GREEDY_HEAD=0,
 every row takes the full logits.

@@ -3,9 +3,9 @@
 bfloat16, by what the CPU has:
 
 - AVX512-BF16 dot products but no AMX tiles (AMD Zen 4 and later, Intel Cooper Lake): the kernel of
-  kernels/cpu/bf16_linear.cpp on a weight laid out once at start for it. On SmolLM2's products it was
+  pagedserve_kernels/cpu/bf16_linear.cpp on a weight laid out once at start for it. On SmolLM2's products it was
   1.1x oneDNN's GEMM at 64-512 rows and 1.3-2x at 1-32 (bench/route_rows.py). Exact products and
-  float32 sums in oneDNN's order (kernels/cpu/simd.h, onednn_bf16_chunk): `F.linear`'s bits at every
+  float32 sums in oneDNN's order (pagedserve_kernels/cpu/simd.h, onednn_bf16_chunk): `F.linear`'s bits at every
   row count and thread count (tests/kernels/test_bf16_onednn_order.py), so a row's result does not
   depend on the other rows of the call.
 - otherwise oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
@@ -20,9 +20,9 @@ float32:
 
 - a weight whose float32 values are exactly GGUF Q4_1 or Q8_0 codes expanded (as the default model's
   are; ops/quantized.py finds them) goes through the kernel that reads the codes
-  (kernels/cpu/coded_linear.cpp) at every row count: over all of SmolLM2's Q4_1 layers it was 2.2x
+  (pagedserve_kernels/cpu/coded_linear.cpp) at every row count: over all of SmolLM2's Q4_1 layers it was 2.2x
   the routes below at 1 row, 2.0x at 16, 1.3x at 64 and 1.06x at 512;
-- else, 1..SKINNY_MAX_ROWS rows: the few-row kernel (kernels/cpu/skinny_linear.cpp), which streams each
+- else, 1..SKINNY_MAX_ROWS rows: the few-row kernel (pagedserve_kernels/cpu/skinny_linear.cpp), which streams each
   weight row once at about the memory's bandwidth;
 - more rows: MKL's GEMM on a weight packed once at start (`torch.ops.mkl._mkl_linear`, the op
   inductor's freezing uses), which skips the packing of the weight that `F.linear` redoes on

@@ -9,7 +9,7 @@ The model is then served in float32, but its weights carry 5 or 8.5 bits of info
 `find_codes` recovers the codes from the float32 values alone (no GGUF parsing: it works for any
 layer whose values have that form, and row permutations such as transformers' Q/K reordering do not
 matter) and keeps them only if they give back every weight bit for bit. The kernel
-(kernels/cpu/coded_linear.cpp) then reads the codes instead of the float32 weights: a step of a few
+(pagedserve_kernels/cpu/coded_linear.cpp) then reads the codes instead of the float32 weights: a step of a few
 rows is bound by reading the weights from memory, and these are 6.4 (Q4_1) and 3.8 (Q8_0) times
 smaller (5 and 8.5 bits a weight: the scales and minimums stay float16, as in the file, since every one
 found is a float16 value). The products are float32 arithmetic on the same float32 weights.
@@ -34,7 +34,7 @@ _SCALE_STEPS = (0, -1, 1, -2, 2)   # float16 neighbours of the estimated scale, 
 
 @dataclass
 class Codes:
-    """The packed codes of one [N, K] weight, in the layout kernels/cpu/coded_linear.cpp reads."""
+    """The packed codes of one [N, K] weight, in the layout pagedserve_kernels/cpu/coded_linear.cpp reads."""
     kind: str                    # "q4_1" or "q8_0"
     codes: torch.Tensor          # q4_1: uint8 [N / 16, K / 2, 16]; q8_0: int8 [N / 16, K, 16]
     scales: torch.Tensor         # float16 [N / 16, K / 32, 16]

@@ -55,7 +55,7 @@ def run_each_kernel(caches: list[torch.Tensor], num_heads: int) -> float:
     width = -(-SPLIT_CONTEXT // block_size)
     paged_attention(query(1), k_cache, v_cache, torch.zeros(1, width, dtype=torch.int32, device=device),
                     ints([SPLIT_CONTEXT]), ints([0, 1]), scale, 1, backend=triton)
-    # as many one-token sequences as kernels.paged_decode needs to run without the split (on CPU, where
+    # as many one-token sequences as pagedserve_kernels.paged_decode needs to run without the split (on CPU, where
     # nothing is compiled, a few: the same call)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     many = -(-4 * sms // num_kv_heads)

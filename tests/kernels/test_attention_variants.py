@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.paged_attention as pa
+import pagedserve_kernels.paged_attention as pa
 from ops import attention, cpu_kernels, reference
 from tests.kernels.conftest import assert_close_to, dense_attention, mixed_batch
 

@@ -1,4 +1,4 @@
-"""The bfloat16 GEMM on AVX512-BF16 dot products (kernels/cpu/bf16_linear.cpp) and its route."""
+"""The bfloat16 GEMM on AVX512-BF16 dot products (pagedserve_kernels/cpu/bf16_linear.cpp) and its route."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,6 @@
 """bfloat16 products bit for bit `F.linear`'s (oneDNN's GEMM) on SmolLM2-135M's shapes, at the row
 counts a step brings, through each route ops/linear.py takes: the AVX512-BF16 kernel on its packed
-weight, the codes kernel for a few rows (both sum in oneDNN's order, kernels/cpu/simd.h), and oneDNN's
+weight, the codes kernel for a few rows (both sum in oneDNN's order, pagedserve_kernels/cpu/simd.h), and oneDNN's
 own GEMM on a weight packed once."""
 from __future__ import annotations
 

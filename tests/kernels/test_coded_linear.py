@@ -1,4 +1,4 @@
-"""ops/quantized.py and kernels/cpu/coded_linear.cpp: float32 weights that are exactly GGUF Q4_1 or
+"""ops/quantized.py and pagedserve_kernels/cpu/coded_linear.cpp: float32 weights that are exactly GGUF Q4_1 or
 Q8_0 codes expanded are found, give back every bit, and the kernel reading the codes computes x W^T."""
 import pytest
 import torch

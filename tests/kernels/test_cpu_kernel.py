@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernel (kernels/cpu/paged_decode.cpp) against dense attention.
+"""The C++ CPU decode kernel (pagedserve_kernels/cpu/paged_decode.cpp) against dense attention.
 
 The kernel must build on the machines CI runs on (a C++ compiler is part of the environment);
 a build failure fails these tests instead of silently testing the fallback.
@@ -94,7 +94,7 @@ def _sdpa_case(queries, keys, seed):
 def test_bfloat16_decode_rows_follow_torchs_sdpa_as_transformers_calls_it(kernel, context):
     # transformers' bfloat16 SDPA on a CPU (torch's flash kernel) rounds the softmax's numerators to bfloat16
     # and takes them from a fast exponential, over blocks of 512 keys: the default bfloat16 backend follows
-    # it (kernels/cpu/paged_decode.cpp); contexts past one and two of those blocks
+    # it (pagedserve_kernels/cpu/paged_decode.cpp); contexts past one and two of those blocks
     args, expected = _sdpa_case(1, context, seed=context)
     chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
     assert chosen.sdpa_lanes == attention.torch_sdpa_lanes(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""kernels/cpu/greedy_head.cpp through ops/greedy_head.py: the greedy token of float32 rows through a
+"""pagedserve_kernels/cpu/greedy_head.cpp through ops/greedy_head.py: the greedy token of float32 rows through a
 Q8_0 output layer, from an int8 first pass and the exact logits of its candidates, is the first index of
 the largest logit of the full product (coded_linear), and its logit has the same bits."""
 import pytest

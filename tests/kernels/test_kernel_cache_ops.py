@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cache_ops import copy_blocks_triton, write_kv_triton
+from pagedserve_kernels.cache_ops import copy_blocks_triton, write_kv_triton
 from ops import reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -100,7 +100,7 @@ def test_copy_blocks_large_block_and_noncontiguous(kt):
 
 def test_ops_cache_entry_points_use_triton(kt, monkeypatch):
     """ops.write_kv / ops.cache_ops.copy_blocks reach these kernels when the Triton backend is chosen."""
-    import kernels.cache_ops as ck
+    import pagedserve_kernels.cache_ops as ck
     from ops import attention, cache_ops
     called = []
     real_write, real_copy = ck.write_kv_triton, ck.copy_blocks_triton

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.paged_attention as pa
-from kernels.paged_decode import paged_decode
-from kernels.paged_prefill import paged_prefill
+import pagedserve_kernels.paged_attention as pa
+from pagedserve_kernels.paged_decode import paged_decode
+from pagedserve_kernels.paged_prefill import paged_prefill
 
 BLOCK_SIZES = (8, 16, 32)
 HEAD_DIMS = (64, 80, 128)

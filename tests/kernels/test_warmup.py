@@ -10,8 +10,8 @@ from ops.attention import choose
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_warm_up_runs_each_kernel_and_writes_nothing(kt, monkeypatch, dtype):
-    import kernels.cache_ops as co
-    import kernels.paged_attention as pa
+    import pagedserve_kernels.cache_ops as co
+    import pagedserve_kernels.paged_attention as pa
     calls = []
     for module, name in ((pa, "paged_decode"), (pa, "paged_prefill"), (co, "write_kv_triton"),
                          (co, "copy_blocks_triton")):

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-import kernels.paged_attention as pa
+import pagedserve_kernels.paged_attention as pa
 from ops import attention, cpu_kernels, reference
 from tests.kernels.conftest import PagedBatch, dense_attention
 

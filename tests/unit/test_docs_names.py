@@ -236,5 +236,5 @@ def test_a_wrong_name_is_found(planted, kind):
 def test_prose_and_real_names_are_not_flagged():
     text = ("The plan (`StepPlan`) carries `forget_seq_ids` and `cached_seqs`; `--max-num-seqs 8`, "
             "`pip install --no-deps`, [the docs](observability.md), `ops/attention.py`, `block_pool.py`, "
-            "`kernels/cpu/`, a `uuid`, `a few words`, `x = 3`, `GET /health`, `e.g.` and `N`.\n")
+            "`pagedserve_kernels/cpu/`, a `uuid`, `a few words`, `x = 3`, `GET /health`, `e.g.` and `N`.\n")
     assert unknown_names("docs/architecture.md", text) == []

@@ -22,7 +22,7 @@
 // model's very bfloat16 weights by bfloat16 inputs; each product is exact in float32 and the sum is
 // float32, as in oneDNN's bfloat16 GEMM. y is rounded once at the end. Where the CPU has AVX512-BF16,
 // up to 4 rows pair the rounded weights and sum with its dot product in oneDNN's order (simd.h), as
-// kernels/cpu/bf16_linear.cpp does: `F.linear`'s bits. Elsewhere (more rows, or no AVX512-BF16) the
+// pagedserve_kernels/cpu/bf16_linear.cpp does: `F.linear`'s bits. Elsewhere (more rows, or no AVX512-BF16) the
 // FMA chain over k in order: an output can be one bfloat16 step from `F.linear`'s where the float32
 // sum sits by a rounding boundary.
 #include "aten.h"
@@ -347,7 +347,7 @@ inline void direct_groups_in(int64_t g0, int64_t g1, Fn fn) {
 // bfloat16 x and y, M <= kDirectRows: the weights of inputs 2j and 2j + 1 rounded to bfloat16, paired
 // lane by lane (W[l, 2j] in the low half, W[l, 2j + 1] in the high one) and multiplied by x's pairs with
 // VDPBF16PS, one instruction for two inputs. Summed in oneDNN's order (pagedserve::onednn_bf16_chunk),
-// as kernels/cpu/bf16_linear.cpp sums: `F.linear`'s bits for the same bfloat16 weights, so a row's
+// as pagedserve_kernels/cpu/bf16_linear.cpp sums: `F.linear`'s bits for the same bfloat16 weights, so a row's
 // result does not depend on which of the two routes its step took.
 inline __m512bh pair_bf16(__m512 even, __m512 odd) {
   // cvtne2ps: odd's 16 values in the high 256 bits, even's in the low; then interleave the halves

@@ -6,15 +6,15 @@ the last q_len of its seq_lens[s] context and attend causally (within a sliding 
 soft-cap on the scores, ALiBi, attention sinks, within attention chunks, when given); kv heads divide
 query heads.
 
-    pure decode (every q_len <= 1)  -> kernels.paged_decode   split-K over the context + reduction
-    anything else (mixed batches)   -> kernels.paged_prefill  one varlen launch, q_len 1 rows included
+    pure decode (every q_len <= 1)  -> pagedserve_kernels.paged_decode   split-K over the context + reduction
+    anything else (mixed batches)   -> pagedserve_kernels.paged_prefill  one varlen launch, q_len 1 rows included
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.paged_decode import paged_decode
-from kernels.paged_prefill import paged_prefill
+from pagedserve_kernels.paged_decode import paged_decode
+from pagedserve_kernels.paged_prefill import paged_prefill
 
 
 def _is_pure_decode(num_tokens: int, query_start_loc: torch.Tensor, max_query_len: int | None) -> bool:

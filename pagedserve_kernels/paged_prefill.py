@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_common import (LOG2E, dot_config, kv_row_offsets, next_pow2, per_head_base2, score_args,
+from pagedserve_kernels.paged_common import (LOG2E, dot_config, kv_row_offsets, next_pow2, per_head_base2, score_args,
                                   soft_cap, variant_args)
 
 # (rows = query tokens x group heads, keys per inner step, warps, pipeline stages) per program.
@@ -81,7 +81,7 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache, v_cache, table_row, head_off, lo, 
     return acc, l_i, m_i
 
 
-# Runtime-varying integers are not specialized (see kernels/paged_decode.py): no recompiles as the
+# Runtime-varying integers are not specialized (see pagedserve_kernels/paged_decode.py): no recompiles as the
 # batch and the block-table width change from step to step.
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs", "window", "chunk"])
 def _prefill_kernel(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, cu_tiles, out,

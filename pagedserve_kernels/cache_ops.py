@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_common import next_pow2
+from pagedserve_kernels.paged_common import next_pow2
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_common import (LOG2E, dot_config, kv_row_offsets, next_pow2, per_head_base2, score_args,
+from pagedserve_kernels.paged_common import (LOG2E, dot_config, kv_row_offsets, next_pow2, per_head_base2, score_args,
                                   soft_cap, variant_args)
 
 BLOCK_N = 64            # context tokens per inner step (spans one or more cache blocks)
