@@ -2,7 +2,8 @@
 
 transformers' BLOOM, MPT and Falcon layers do not call the attention interface: they multiply Q and K
 themselves (BLOOM and MPT adding an ALiBi bias tensor the base model materialized for the whole
-context; Falcon after its rotary embedding, its query heads over one or a few KV heads). While such
+context; Falcon after its rotary embedding, its query heads over one or a few KV heads; from
+transformers 5.25 Falcon calls the interface and is served through it, as Llama is). While such
 a model runs on pagedserve's attention (a step or the start-time probe is under way: transformers
 cannot switch these models' attention implementation), each of those layers runs the forward below: the layer's own projections and clipping up to attention, then
 `paged_attention_forward` (data_plane/attention.py) with the layer's ALiBi slopes, which the kernels
@@ -95,11 +96,20 @@ FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward, "Fal
 ALIBI_MODEL_TYPES = {"bloom", "mpt"}
 
 
-def register_classes() -> None:
-    """Lets Falcon be built with pagedserve's attention: it looks its attention class up in a table of
-    its own, by implementation name; ours builds the eager class, whose forward install() replaces."""
+def _falcon_has_own_attention() -> bool:
+    """Before transformers 5.25 Falcon's layers computed attention themselves, their class looked up in
+    a table by implementation name; from 5.25 one class calls the attention interface, which serves it
+    as it serves Llama (rotary applied, K and V per KV head), and the table is gone."""
     from transformers.models.falcon import modeling_falcon
-    modeling_falcon.FALCON_ATTENTION_CLASSES.setdefault(attention.ATTENTION_NAME, modeling_falcon.FalconAttention)
+    return hasattr(modeling_falcon, "FALCON_ATTENTION_CLASSES")
+
+
+def register_classes() -> None:
+    """Lets Falcon be built with pagedserve's attention where it has its table of attention classes: ours
+    builds the eager class, whose forward install() replaces."""
+    if _falcon_has_own_attention():
+        from transformers.models.falcon import modeling_falcon
+        modeling_falcon.FALCON_ATTENTION_CLASSES.setdefault(attention.ATTENTION_NAME, modeling_falcon.FalconAttention)
 
 
 def _dispatch(module, own, paged, config, *args, **kwargs):
@@ -115,8 +125,10 @@ def install(model) -> None:
     A model loaded with pagedserve's attention implementation goes back to "eager": these layers ignore
     the setting, and the base model's own code needs the dense causal mask eager builds (MPT's casts it)."""
     found = False
+    forwards = FORWARDS if _falcon_has_own_attention() else \
+        {name: fn for name, fn in FORWARDS.items() if name != "FalconAttention"}
     for module in model.modules():
-        paged = FORWARDS.get(type(module).__name__)
+        paged = forwards.get(type(module).__name__)
         if paged is not None:
             found = True
             if not module.__dict__.get(_INSTALLED):
