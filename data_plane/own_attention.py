@@ -125,10 +125,10 @@ def install(model) -> None:
     A model loaded with pagedserve's attention implementation goes back to "eager": these layers ignore
     the setting, and the base model's own code needs the dense causal mask eager builds (MPT's casts it)."""
     found = False
-    forwards = FORWARDS if _falcon_has_own_attention() else \
-        {name: fn for name, fn in FORWARDS.items() if name != "FalconAttention"}
+    falcon = _falcon_has_own_attention()   # else its layers call the attention interface
     for module in model.modules():
-        paged = forwards.get(type(module).__name__)
+        name = type(module).__name__
+        paged = FORWARDS.get(name) if falcon or name != "FalconAttention" else None
         if paged is not None:
             found = True
             if not module.__dict__.get(_INSTALLED):

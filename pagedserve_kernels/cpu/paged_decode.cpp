@@ -534,16 +534,17 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
   std::vector<int64_t> bounds(parts + 1, items);
   bounds[0] = 0;
   {
-    constexpr int64_t kItemFixed = 16;   // the work of an item apart from its context, in positions
+    // an item's work in positions: its context, and a fixed part for the rest
+    const auto work = [&](int64_t item) -> int64_t { return lens[item / items_per_row] + 16; };
     int64_t total = 0;
-    for (int64_t item = 0; item < items; ++item) total += lens[item / items_per_row] + kItemFixed;
+    for (int64_t item = 0; item < items; ++item) total += work(item);
     // an item goes to the part that holds its middle: part p's items are those whose middle lies in
     // [p, p + 1) of total / parts
     int64_t done = 0, part = 1;
     for (int64_t item = 0; item < items && part < parts; ++item) {
-      const int64_t work = lens[item / items_per_row] + kItemFixed;
-      while (part < parts && (2 * done + work) * parts >= 2 * total * part) bounds[part++] = item;
-      done += work;
+      const int64_t w = work(item);
+      while (part < parts && (2 * done + w) * parts >= 2 * total * part) bounds[part++] = item;
+      done += w;
     }
   }
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
