@@ -14,7 +14,8 @@ bfloat16, by what the CPU has:
   batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
 - a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows
   (a few rows are bound by reading the weights; codes are a third of the bytes); with AVX512-BF16 in
-  oneDNN's order as well, else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
+  oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order),
+  else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
 
 float32:
 
@@ -110,6 +111,10 @@ class RoutedLinear:
         self.dot = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.kernel is not None \
             and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
         self.packed = _pack(weight) if many_rows and self.dot is None else None
+        # bfloat16 codes that only serve a few rows, where the build has the dot product: in its pair order
+        if self.codes is not None and not wide and (self.dot is not None or self.packed is not None) \
+                and self.kernel.has_bf16_dot():
+            self.codes = self.codes.paired_order()
         self.skinny_max_rows = skinny_max_rows
         # the route of each row count, chosen on its first call: routes differ only up to a few rows,
         # so every count from `_rows_cap` on shares one entry
@@ -139,7 +144,8 @@ class RoutedLinear:
         weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
         if weight.dtype == torch.bfloat16:
             if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
-                return lambda x: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
+                few = kernel.coded_pairs_linear if codes.paired else kernel.coded_linear
+                return lambda x: few(x, codes.codes, codes.scales, codes.mins)
             if self.dot is not None:
                 dot = self.dot
                 return lambda x: kernel.bf16_linear(x, dot)

@@ -39,26 +39,53 @@ class Codes:
     codes: torch.Tensor          # q4_1: uint8 [N / 16, K / 2, 16]; q8_0: int8 [N / 16, K, 16]
     scales: torch.Tensor         # float16 [N / 16, K / 32, 16]
     mins: torch.Tensor | None    # q4_1: float16 [N / 16, K / 32, 16]; q8_0: None
+    paired: bool = False         # codes in the pair order (see `paired_order`)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
     def linear(self, kernel, x: torch.Tensor) -> torch.Tensor:
+        if self.paired:
+            return kernel.coded_pairs_linear(x, self.codes, self.scales, self.mins)
         return kernel.coded_linear(x, self.codes, self.scales, self.mins)
+
+    def paired_order(self) -> Codes:
+        """The same codes laid out for the AVX512-BF16 dot product (`coded_pairs_linear`, 1-4 bfloat16
+        rows), which multiplies a row's two inputs 2j and 2j + 1 in one lane: per group and input pair,
+        the 16 lanes are rows 0-7 of the group, then rows 8-15, with a row's two inputs side by side
+        (lane 2r + e: row r, input 2j + e). Q4_1 keeps rows 0-7 in the low nibbles and rows 8-15 in the
+        high ones of one 16-byte line; Q8_0 has rows 0-7 in the first of its two lines and 8-15 in the
+        second. The kernel's expansion then comes out in the order the dot product takes, where the
+        plain layout needs a permutation per pair of inputs. Same values, same results."""
+        if self.paired:
+            return self
+        groups, lines, lanes = self.codes.shape
+        with torch.no_grad():
+            if self.kind == "q4_1":
+                # [groups, K / 2, 16 rows, 2 inputs] -> [groups, K / 2, 2 halves, 8 rows, 2 inputs]
+                nibbles = torch.stack((self.codes & 15, self.codes >> 4), dim=-1).view(groups, lines, 2, 8, 2)
+                codes = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(groups, lines, lanes)
+            else:
+                # [groups, K / 2, 2 inputs, 16 rows] -> [groups, K / 2, 16 rows, 2 inputs]: halves of 8 rows
+                codes = self.codes.view(groups, lines // 2, 2, lanes).transpose(2, 3).reshape(groups, lines, lanes)
+        return Codes(self.kind, codes.contiguous(), self.scales, self.mins, paired=True)
 
     @staticmethod
     def cat(parts: list[Codes | None]) -> Codes | None:
         """The codes of the weights stacked along their outputs (each a whole number of groups), or None
         when some part has none or the formats differ."""
-        if not parts or any(p is None or p.kind != parts[0].kind for p in parts):
+        if not parts or any(p is None or (p.kind, p.paired) != (parts[0].kind, parts[0].paired) for p in parts):
             return None
         mins = torch.cat([p.mins for p in parts]) if parts[0].mins is not None else None
-        return Codes(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
+        return Codes(parts[0].kind, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins,
+                     parts[0].paired)
 
     def rounds_to(self, kernel, weight: torch.Tensor) -> bool:
         """Whether these codes, expanded to float32 and rounded to bfloat16, give the bfloat16 `weight`
         bit for bit (a bfloat16 model cast from the float32 one the codes were found in)."""
+        if self.paired:
+            raise ValueError("rounds_to reads codes in the plain layout")
         wide = kernel.coded_expand(self.codes, self.scales, self.mins)
         return wide.shape == weight.shape and \
             torch.equal(wide.to(torch.bfloat16).view(torch.int16), weight.detach().view(torch.int16))

@@ -17,6 +17,7 @@ at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Ten
 at::Tensor silu_mul(at::Tensor gate_up);
 std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
 at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
+at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
 at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
 bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
@@ -52,6 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_logsumexp", &greedy_logsumexp, "per row of float32 or bfloat16 logits [R, V]: max, its first index, log-sum-exp (float32)");
   m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32 or bfloat16)");
   m.def("coded_linear", &coded_linear, "x [M, K] . W^T with W held as Q4_1 or Q8_0 codes (ops/quantized.py); x float32, or bfloat16 with W rounded to bfloat16");
+  m.def("coded_pairs_linear", &coded_pairs_linear, "coded_linear for 1-4 bfloat16 rows, codes in pair order (Codes.paired_order); needs has_bf16_dot");
   m.def("coded_expand", &coded_expand, "the float32 weights [N, K] that Q4_1 or Q8_0 codes stand for");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has bf16_linear (the AVX512-BF16 dot product)");
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");

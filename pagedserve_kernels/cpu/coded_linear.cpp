@@ -248,22 +248,32 @@ template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 
 
 // fn(j, even, odd) for every input pair j of groups g .. g + G - 1, in order, where even[v] and odd[v]
 // are group g + v's 16 rows' float32 weights of inputs 2j and 2j + 1; the expansion is the panel's
-// (expand_q4, expand_q8) before any rounding to T. It asks for groups g + G .. g + 2G - 1 at the same
-// place as it reads (a prefetch never faults, so asking past the last group is harmless): the next call
-// reads them, and each group's short run of codes is too brief for the hardware's streamer to get ahead.
-template <int G, typename Fn>
+// (expand_q4, expand_q8) before any rounding to T. Paired: the codes are in the pair order of
+// ops/quantized.py's Codes.paired_order, and even[v] holds rows 0-7 and odd[v] rows 8-15 of the group,
+// each row's two inputs side by side (lane 2r + e: row r, input 2j + e), the order VDPBF16PS takes.
+// It asks for groups g + G .. g + 2G - 1 at the same place as it reads (a prefetch never faults, so
+// asking past the last group is harmless): the next call reads them, and each group's short run of
+// codes is too brief for the hardware's streamer to get ahead.
+template <int G, bool Paired = false, typename Fn>
 inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   const int64_t K = w.K, blocks = K / kBlock;
   const at::Half* scales = w.scales + g * blocks * kGroup;
-  __m512 even[G], odd[G], d[G];
+  // Paired: the scales (and minimums) of lane 2r + e are row r's for even, row 8 + r's for odd
+  const __m512i low_rows = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i high_rows = _mm512_add_epi32(low_rows, _mm512_set1_epi32(8));
+  const auto spread = [&](__m512& lo, __m512& hi, __m512 v) {
+    lo = Paired ? _mm512_permutexvar_ps(low_rows, v) : v;
+    hi = Paired ? _mm512_permutexvar_ps(high_rows, v) : v;
+  };
+  __m512 even[G], odd[G], d[G], d_odd[G];
   if (w.mins != nullptr) {
     const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
     const at::Half* mins = w.mins + g * blocks * kGroup;
-    __m512 m[G];
+    __m512 m[G], m_odd[G];
     for (int64_t b = 0; b < blocks; ++b) {
       for (int v = 0; v < G; ++v) {
-        d[v] = load_half16(scales + (v * blocks + b) * kGroup);
-        m[v] = load_half16(mins + (v * blocks + b) * kGroup);
+        spread(d[v], d_odd[v], load_half16(scales + (v * blocks + b) * kGroup));
+        spread(m[v], m_odd[v], load_half16(mins + (v * blocks + b) * kGroup));
       }
       for (int v = 0; v < G; ++v) {
         __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
@@ -276,7 +286,7 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
           const __m512i both = _mm512_cvtepu8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (v * (K / 2) + j) * kGroup)));
           even[v] = _mm512_fmadd_ps(low_nibble_float(both), d[v], m[v]);
-          odd[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d[v], m[v]);
+          odd[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4)), d_odd[v], m_odd[v]);
         }
         fn(j, even, odd);
       }
@@ -285,7 +295,7 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
       for (int v = 0; v < G; ++v) {
-        d[v] = load_half16(scales + (v * blocks + b) * kGroup);
+        spread(d[v], d_odd[v], load_half16(scales + (v * blocks + b) * kGroup));
         __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
       }
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
@@ -294,7 +304,7 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
         for (int v = 0; v < G; ++v) {
           const int8_t* c = codes + (v * K + 2 * j) * kGroup;
           even[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))), d[v]);
-          odd[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kGroup)))), d[v]);
+          odd[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kGroup)))), d_odd[v]);
         }
         fn(j, even, odd);
       }
@@ -357,15 +367,16 @@ inline __m512bh pair_bf16(__m512 even, __m512 odd) {
   return (__m512bh)_mm512_permutexvar_epi16(order, both);
 }
 
-template <int M, int G>
+template <int M, int G, bool Paired>
 void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64_t N) {
   const int64_t K = w.K, chunk = pagedserve::onednn_bf16_chunk(K) / 2;
   __m512 acc[M][G], done[M][G];   // the sum of the current chunk of input pairs, and of the chunks before it
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = _mm512_setzero_ps();
-  expand_pairs<G>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
+  expand_pairs<G, Paired>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
     __m512bh pair[G];
-    for (int v = 0; v < G; ++v) pair[v] = pair_bf16(even[v], odd[v]);
+    // paired codes come out in the dot product's order: rows 0-7 from even in the low half, 8-15 from odd
+    for (int v = 0; v < G; ++v) pair[v] = Paired ? _mm512_cvtne2ps_pbh(odd[v], even[v]) : pair_bf16(even[v], odd[v]);
     if (j > 0 && j % chunk == 0)
       for (int r = 0; r < M; ++r)
         for (int v = 0; v < G; ++v) {
@@ -382,6 +393,24 @@ void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < G; ++v)
       pagedserve::store16(y + r * N + (g + v) * kGroup, K / 2 > chunk ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
+}
+
+// y [M, N] = x . W^T for bfloat16 x of 1 .. kDirectRows rows through the dot product
+template <bool Paired>
+void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y) {
+  const int64_t M = x.size(0), groups = y.size(1) / kGroup;
+  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    switch (M) {
+#define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group_dot<m, decltype(G)::value, Paired>(w, g, xp, yp, groups * kGroup); })
+      case 1: PAGEDSERVE_DIRECT(1); break;
+      case 2: PAGEDSERVE_DIRECT(2); break;
+      case 3: PAGEDSERVE_DIRECT(3); break;
+      default: PAGEDSERVE_DIRECT(4); break;
+#undef PAGEDSERVE_DIRECT
+    }
+  });
 }
 
 #endif
@@ -428,18 +457,7 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
   } else {
 #ifdef PAGEDSERVE_CODES_BF16_DOT
     if (M >= 1 && M <= kDirectRows) {
-      const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
-      auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
-      at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-        switch (M) {
-#define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group_dot<m, decltype(G)::value>(w, g, xp, yp, groups * kGroup); })
-          case 1: PAGEDSERVE_DIRECT(1); break;
-          case 2: PAGEDSERVE_DIRECT(2); break;
-          case 3: PAGEDSERVE_DIRECT(3); break;
-          default: PAGEDSERVE_DIRECT(4); break;
-#undef PAGEDSERVE_DIRECT
-        }
-      });
+      dot_rows<false>(w, x, y);
       return y;
     }
 #endif
@@ -447,6 +465,22 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
     const auto wide = x.to(at::kFloat);
     coded_rows(w, wide.data_ptr<float>(), reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>()), M, groups);
   }
+  return y;
+}
+
+// coded_linear's bfloat16 result for 1 .. 4 rows from codes in the pair order (ops/quantized.py,
+// Codes.paired_order), which spares the dot product's pairing a permutation of every pair of inputs
+at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
+              x.size(0) <= 4, "coded_pairs_linear: x [M, K] bfloat16, 1 <= M <= 4");
+  const int64_t K = x.size(1);
+  const Weights w = coded_weights(codes, scales, mins, K);
+  auto y = at::empty({x.size(0), codes.size(0) * kGroup}, x.options());
+#ifdef PAGEDSERVE_CODES_BF16_DOT
+  dot_rows<true>(w, x, y);
+#else
+  TORCH_CHECK(false, "coded_pairs_linear: this build has no AVX512-BF16 dot product");
+#endif
   return y;
 }
 

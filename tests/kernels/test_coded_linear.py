@@ -109,8 +109,9 @@ def test_routed_linear_reads_codes_at_every_row_count_and_packs_nothing(kernel, 
     routed = linear.RoutedLinear(weight, None, kernel, packed=True)
     assert routed.codes is not None and routed.packed is None     # no second float32 copy for MKL
     calls = []
-    real = kernel.coded_linear
-    monkeypatch.setattr(kernel, "coded_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for name in ("coded_linear", "coded_pairs_linear"):   # the second where the codes are in pair order
+        real = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda x, *a, real=real: calls.append(x.shape[0]) or real(x, *a))
     with torch.no_grad():   # training keeps torch's F.linear
         for rows in (1, 9, 300):
             x = torch.randn(1, rows, 96)
@@ -154,8 +155,9 @@ def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypa
     assert (routed.dot is not None) == linear.bf16_dot_kernel(kernel)
     assert routed.dot is not None or routed.packed is not None or not linear.has_packed_bf16_gemm()
     calls = []
-    real = kernel.coded_linear
-    monkeypatch.setattr(kernel, "coded_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for name in ("coded_linear", "coded_pairs_linear"):   # the second where the codes are in pair order
+        real = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda x, *a, real=real: calls.append(x.shape[0]) or real(x, *a))
     with torch.no_grad():
         for rows in (1, linear.BF16_CODES_MAX_ROWS, linear.BF16_CODES_MAX_ROWS + 1, 300):
             x = torch.randn(rows, 96).to(torch.bfloat16)
@@ -165,3 +167,28 @@ def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypa
     # codes of another weight are not taken
     other = quantized.find_codes(_weight("q4_1", 64, 96, seed=6))
     assert linear.RoutedLinear(narrow, None, kernel, packed=True, codes=other).codes is None
+
+
+@pytest.mark.parametrize("kind", FORMS)
+@pytest.mark.parametrize("n,k", [(48, 160), (112, 2112)])   # 3 and 7 groups; one chunk of the sums, and three
+def test_codes_in_pair_order_give_the_same_bits(kernel, kind, n, k):
+    if not kernel.has_bf16_dot():
+        pytest.skip("no AVX512-BF16 in this build: the pair order is not used")
+    codes = quantized.find_codes(_weight(kind, n, k, seed=11))
+    paired = codes.paired_order()
+    assert paired.paired and not codes.paired and paired.paired_order() is paired
+    assert paired.codes.shape == codes.codes.shape and not torch.equal(paired.codes, codes.codes)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        assert torch.equal(paired.linear(kernel, x), codes.linear(kernel, x)), rows
+    with pytest.raises(RuntimeError, match="1 <= M <= 4"):
+        paired.linear(kernel, torch.randn(5, k).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        paired.linear(kernel, torch.randn(1, k))
+    with pytest.raises(ValueError, match="plain layout"):
+        paired.rounds_to(kernel, torch.zeros(n, k, dtype=torch.bfloat16))
+    # the data plane's routing keeps only the pair order where the codes serve a few rows alone
+    narrow = _weight(kind, n, k, seed=11).to(torch.bfloat16)
+    routed = linear.RoutedLinear(narrow, None, kernel, packed=True, codes=codes)
+    assert routed.codes.paired == (routed.dot is not None or routed.packed is not None)
