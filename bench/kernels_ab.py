@@ -113,8 +113,11 @@ def products(before, after, rows_list: list[int], repeats: int, num_threads: int
 
     def run_for(rows: int):
         inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen).to(dtype) for lin in layers}
-        return lambda module: [module.coded_linear(inputs[lin.weight.shape[1]], lin.codes.codes, lin.codes.scales,
-                                                   lin.codes.mins) for lin in layers]
+        # the plain layout, which every revision's coded_linear reads (bfloat16's few rows take the pair
+        # order where the build has the dot product: bench/route_rows.py compares the two)
+        plain = [lin.codes.plain_order() for lin in layers]
+        return lambda module: [module.coded_linear(inputs[lin.weight.shape[1]], codes.codes, codes.scales,
+                                                   codes.mins) for lin, codes in zip(layers, plain)]
     rows_table(f"the {len(layers)} layer products through the GGUF codes, {dtype_name}", before, after, rows_list,
                repeats, run_for)
 

@@ -1,6 +1,7 @@
 """Where the bfloat16 routes cross: every linear layer of SmolLM2's lean forward (120 products) at a
 given row count, through the kernel reading the GGUF codes, the AVX512-BF16 kernel (where the build
-has it) and oneDNN's packed GEMM.
+has it) and oneDNN's packed GEMM. Where the runner keeps its few-row codes in the dot product's pair
+order, a column shows the same products from the plain order (the codes' route before it).
 
     python bench/route_rows.py                  # rows 1, 2, 4, 8, 12, 16, 24, 32, 64, 512
 
@@ -39,7 +40,13 @@ def main(argv=None) -> int:
     # each layer's weight laid out for every route, whichever the runner chose
     onednn = [linear._pack(lin.weight) for lin in layers] if linear.has_packed_bf16_gemm() else None
     dot = [kernel.bf16_pack(lin.weight) for lin in layers] if kernel.has_bf16_dot() else None
-    routes = {"codes": lambda i, x: layers[i].codes.linear(kernel, x)}
+    # the runner's codes serve up to BF16_CODES_MAX_ROWS rows, in the dot product's pair order where the
+    # build has it; the plain order beside them, and for more rows
+    plain = [lin.codes.plain_order() for lin in layers]
+    routes = {"codes": lambda i, x: (layers[i].codes if x.shape[0] <= linear.BF16_CODES_MAX_ROWS else plain[i])
+              .linear(kernel, x)}
+    if layers[0].codes.paired:
+        routes["codes, plain order"] = lambda i, x: plain[i].linear(kernel, x)
     if dot is not None:
         routes["AVX512-BF16"] = lambda i, x: kernel.bf16_linear(x, dot[i])
     if onednn is not None:

@@ -71,6 +71,21 @@ class Codes:
                 codes = self.codes.view(groups, lines // 2, 2, lanes).transpose(2, 3).reshape(groups, lines, lanes)
         return Codes(self.kind, codes.contiguous(), self.scales, self.mins, paired=True)
 
+    def plain_order(self) -> Codes:
+        """The codes back in the plain layout (coded_linear's, for every row count): paired_order undone."""
+        if not self.paired:
+            return self
+        groups, lines, lanes = self.codes.shape
+        with torch.no_grad():
+            if self.kind == "q4_1":
+                # [groups, K / 2, 8 rows, 2 inputs, 2 halves] -> [groups, K / 2, 2 halves, 8 rows, 2 inputs]
+                nibbles = torch.stack((self.codes & 15, self.codes >> 4), dim=-1).view(groups, lines, 8, 2, 2)
+                nibbles = nibbles.permute(0, 1, 4, 2, 3).reshape(groups, lines, lanes, 2)
+                codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+            else:
+                codes = self.codes.view(groups, lines // 2, lanes, 2).transpose(2, 3).reshape(groups, lines, lanes)
+        return Codes(self.kind, codes.contiguous(), self.scales, self.mins)
+
     @staticmethod
     def cat(parts: list[Codes | None]) -> Codes | None:
         """The codes of the weights stacked along their outputs (each a whole number of groups), or None

@@ -178,6 +178,8 @@ def test_codes_in_pair_order_give_the_same_bits(kernel, kind, n, k):
     paired = codes.paired_order()
     assert paired.paired and not codes.paired and paired.paired_order() is paired
     assert paired.codes.shape == codes.codes.shape and not torch.equal(paired.codes, codes.codes)
+    back = paired.plain_order()
+    assert not back.paired and torch.equal(back.codes, codes.codes) and codes.plain_order() is codes
     gen = torch.Generator().manual_seed(5)
     for rows in (1, 2, 3, 4):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
