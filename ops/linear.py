@@ -144,7 +144,7 @@ class RoutedLinear:
         weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
         if weight.dtype == torch.bfloat16:
             if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
-                few = kernel.coded_pairs_linear if codes.paired else kernel.coded_linear
+                few = codes.product(kernel)
                 return lambda x: few(x, codes.codes, codes.scales, codes.mins)
             if self.dot is not None:
                 dot = self.dot

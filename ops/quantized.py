@@ -45,10 +45,12 @@ class Codes:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
+    def product(self, kernel):
+        """The kernel's function that reads these codes: f(x, codes, scales, mins)."""
+        return kernel.coded_pairs_linear if self.paired else kernel.coded_linear
+
     def linear(self, kernel, x: torch.Tensor) -> torch.Tensor:
-        if self.paired:
-            return kernel.coded_pairs_linear(x, self.codes, self.scales, self.mins)
-        return kernel.coded_linear(x, self.codes, self.scales, self.mins)
+        return self.product(kernel)(x, self.codes, self.scales, self.mins)
 
     def paired_order(self) -> Codes:
         """The same codes laid out for the AVX512-BF16 dot product (`coded_pairs_linear`, 1-4 bfloat16

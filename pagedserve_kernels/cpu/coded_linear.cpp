@@ -236,11 +236,11 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
   return Weights{codes.data_ptr(), scales.data_ptr<at::Half>(), q4 ? mins->data_ptr<at::Half>() : nullptr, K};
 }
 
-#ifdef PAGEDSERVE_AVX512
 // M <= kDirectRows rows of x against groups of 16 output rows, the weights expanded in registers and
 // used at once: no panel buffer to write and read back, which a step of a few rows cannot amortize.
 constexpr int64_t kDirectRows = 4;
 
+#ifdef PAGEDSERVE_AVX512
 // Groups side by side in the direct path: one output's sum is a chain of dependent FMAs (the order over k
 // is fixed, so it cannot be split), and one row against one group leaves a single chain in flight,
 // bound by the FMA's latency rather than its throughput. G groups keep G * M independent chains.
@@ -472,7 +472,7 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
 // Codes.paired_order), which spares the dot product's pairing a permutation of every pair of inputs
 at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
-              x.size(0) <= 4, "coded_pairs_linear: x [M, K] bfloat16, 1 <= M <= 4");
+              x.size(0) <= kDirectRows, "coded_pairs_linear: x [M, K] bfloat16, 1 <= M <= 4");
   const int64_t K = x.size(1);
   const Weights w = coded_weights(codes, scales, mins, K);
   auto y = at::empty({x.size(0), codes.size(0) * kGroup}, x.options());
