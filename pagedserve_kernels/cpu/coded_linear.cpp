@@ -15,7 +15,8 @@
 // A thread takes a panel of up to 48 output rows, expands its weights to float32 once into a buffer
 // laid out input by input (48 floats per input), then runs every 8-row tile of x over the buffer with
 // 8 x 3 sixteen-lane accumulators: per input, 3 loads of weights and 8 broadcasts of x feed 24 FMAs.
-// Each output is the FMA chain over k = 0..K-1 in order, whatever the number of rows.
+// Up to 16 rows skip the buffer: each group's weights are expanded in registers and used at once.
+// Each output is the FMA chain over k = 0..K-1 in order, whatever the number of rows or the path.
 //
 // bfloat16 x and y (a bfloat16 model whose weights are these codes expanded, then rounded to
 // bfloat16): the expansion rounds each weight to bfloat16 as well, so the kernel multiplies the
@@ -236,15 +237,18 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
   return Weights{codes.data_ptr(), scales.data_ptr<at::Half>(), q4 ? mins->data_ptr<at::Half>() : nullptr, K};
 }
 
-// M <= kDirectRows rows of x against groups of 16 output rows, the weights expanded in registers and
-// used at once: no panel buffer to write and read back, which a step of a few rows cannot amortize.
+// A few rows of x against groups of 16 output rows, the weights expanded in registers and used at once:
+// no panel buffer to write and read back, which a step of a few rows cannot amortize. The FMA chains go
+// this way for up to kChainRows rows (with more, the panel's tiles were as fast, even against two tiles
+// of rows over each group's expansion), the bfloat16 dot product for up to kDirectRows.
 constexpr int64_t kDirectRows = 4;
+constexpr int64_t kChainRows = 16;
 
 #ifdef PAGEDSERVE_AVX512
 // Groups side by side in the direct path: one output's sum is a chain of dependent FMAs (the order over k
 // is fixed, so it cannot be split), and one row against one group leaves a single chain in flight,
 // bound by the FMA's latency rather than its throughput. G groups keep G * M independent chains.
-template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 : 3; }
+template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 : M <= 4 ? 3 : M <= 8 ? 2 : 1; }
 
 // fn(j, even, odd) for every input pair j of groups g .. g + G - 1, in order, where even[v] and odd[v]
 // are group g + v's 16 rows' float32 weights of inputs 2j and 2j + 1; the expansion is the panel's
@@ -419,14 +423,26 @@ template <typename T>
 void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t groups) {
   const int64_t K = w.K, N = groups * kGroup;
 #ifdef PAGEDSERVE_AVX512
-  if (M >= 1 && M <= kDirectRows) {
+  if (M >= 1 && M <= kChainRows) {
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       switch (M) {
 #define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group<T, m, decltype(G)::value>(w, g, xp, yp, N); })
         case 1: PAGEDSERVE_DIRECT(1); break;
         case 2: PAGEDSERVE_DIRECT(2); break;
         case 3: PAGEDSERVE_DIRECT(3); break;
-        default: PAGEDSERVE_DIRECT(4); break;
+        case 4: PAGEDSERVE_DIRECT(4); break;
+        case 5: PAGEDSERVE_DIRECT(5); break;
+        case 6: PAGEDSERVE_DIRECT(6); break;
+        case 7: PAGEDSERVE_DIRECT(7); break;
+        case 8: PAGEDSERVE_DIRECT(8); break;
+        case 9: PAGEDSERVE_DIRECT(9); break;
+        case 10: PAGEDSERVE_DIRECT(10); break;
+        case 11: PAGEDSERVE_DIRECT(11); break;
+        case 12: PAGEDSERVE_DIRECT(12); break;
+        case 13: PAGEDSERVE_DIRECT(13); break;
+        case 14: PAGEDSERVE_DIRECT(14); break;
+        case 15: PAGEDSERVE_DIRECT(15); break;
+        default: PAGEDSERVE_DIRECT(16); break;
 #undef PAGEDSERVE_DIRECT
       }
     });
