@@ -249,6 +249,9 @@ class RunnerSteps:
         # values are whatever the pool holds: the cost is the same); sequence i owns blocks i*per ..
         known = args.context + 1 if decode else args.prefill
         tables = [list(range(i * per, i * per + -(-known // bs))) for i in range(num_seqs)]
+        # as the control plane asks for a served greedy request without logprobs (-1: no log-prob wanted),
+        # so that the step takes the same head (ops/greedy_head.py) as a served one
+        greedy = SamplingSpec(temperature=0.0, logprobs=-1)
         new: list = []
 
         def step() -> dict[str, float]:
@@ -257,7 +260,7 @@ class RunnerSteps:
             if not new or not decode:   # new sequences (prefill: a new prompt each time), the old ones forgotten
                 new = [NewSequence(next(self.seq_ids), rand_ids(rng, known), known - 1 if decode else known,
                                    known - 1 if decode else 0, 1 if decode else known, list(table),
-                                   SamplingSpec(temperature=0.0)) for table in tables]
+                                   greedy) for table in tables]
                 plan = StepPlan(self.step_id, new_seqs=new, forget_seq_ids=list(runner.seqs))
             else:   # one more token each, and a new block for a sequence whose last block is full
                 cont = []
