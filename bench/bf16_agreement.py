@@ -23,36 +23,6 @@ import _common as C  # noqa: E402
 from throughput import exp64_trace, first_divergence, reference  # noqa: E402
 
 
-def run_runner(runner, requests, tag: str) -> list[list[int]]:
-    """Each request's greedy tokens from the runner, all of `requests` given to the scheduler at once."""
-    from control_plane.block_manager import BlockManager
-    from control_plane.sampling_params import SamplingParams
-    from control_plane.scheduler import Finish, Scheduler
-    from control_plane.sequence import Sequence
-    from shared.config import ControlPlaneConfig as cp
-    sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False),
-                      cp.max_num_seqs, cp.max_num_batched_tokens)
-    seqs = []
-    for i, req in enumerate(requests):
-        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-        seqs.append(Sequence(f"{tag}{i}", list(req.prompt_ids), len(req.prompt_ids), params, params.spec([]),
-                             arrival_time=float(i)))
-        sched.add(seqs[-1])
-    by_id = {s.seq_id: s for s in seqs}
-    while sched.has_work():
-        plan = sched.schedule()
-        result = runner.execute(plan)
-        sched.update(plan, result)
-        ended = []
-        for tok in result.sampled:
-            seq = by_id[tok.seq_id]
-            seq.token_ids.append(tok.token_id)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                ended.append(Finish(seq, "length"))
-        sched.apply(ended)
-    return [s.output_token_ids for s in seqs]
-
-
 def differs(name: str, ours, theirs) -> bool:
     rows = (ours != theirs).reshape(ours.shape[0], -1).any(-1).nonzero().flatten().tolist()
     print(f"    {name:<16} {'equal' if not rows else f'differs in rows {rows[:6]}'}"
@@ -141,8 +111,8 @@ def main(argv=None) -> int:
     hf = C.load_hf_model(args.num_threads, device="cpu").to(torch.bfloat16)
     ref = reference(hf, trace[:args.requests])
     runner = C.default_runner(args.num_threads, "inproc://bf16-agreement", "bfloat16")
-    alone = [run_runner(runner, [r], f"alone{i}-")[0] for i, r in enumerate(trace[:args.requests])]
-    together = run_runner(runner, trace, "together")[:args.requests]
+    alone = [C.InProcess(runner, [r], f"alone{i}-").outputs()[0] for i, r in enumerate(trace[:args.requests])]
+    together = C.InProcess(runner, trace, "together").outputs()[:args.requests]
     total = sum(len(tokens) for tokens, _ in ref)
     for name, outs in (("one request at a time", alone), ("all 64 at once", together)):
         firsts = [first_divergence(o, t) for o, (t, _) in zip(outs, ref)]
