@@ -363,52 +363,6 @@ def default_runner(num_threads: int, listen: str, dtype: str = "float32", **sett
     config = DataPlaneConfig(model=default_model_path(), listen=listen, dtype=dtype, **settings)
     return ModelRunner(model, config, torch.device("cpu"))
 
-
-class InProcess:
-    """`requests` (greedy, EOS ignored, each its trace's output length) through the control plane's scheduler
-    with the server's defaults and a runner in this process (no HTTP, no ZeroMQ), one step a call."""
-
-    def __init__(self, runner, requests, tag: str = "r", prefix_caching: bool = True):
-        from control_plane.block_manager import BlockManager
-        from control_plane.sampling_params import SamplingParams
-        from control_plane.scheduler import Scheduler
-        from control_plane.sequence import Sequence
-        from shared.config import ControlPlaneConfig as cp   # the class attributes are the defaults
-        self.runner = runner
-        self.sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=prefix_caching),
-                               cp.max_num_seqs, cp.max_num_batched_tokens)
-        self.seqs = []
-        for i, req in enumerate(requests):
-            params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
-            self.seqs.append(Sequence(f"{tag}{i}", list(req.prompt_ids), len(req.prompt_ids), params,
-                                      params.spec([]), arrival_time=float(i)))
-            self.sched.add(self.seqs[-1])
-        self._by_id = {s.seq_id: s for s in self.seqs}
-
-    def has_work(self) -> bool:
-        return self.sched.has_work()
-
-    def step(self):
-        """One step: the plan and the runner's result."""
-        from control_plane.scheduler import Finish
-        plan = self.sched.schedule()
-        result = self.runner.execute(plan)
-        self.sched.update(plan, result)
-        ended = []
-        for tok in result.sampled:
-            seq = self._by_id[tok.seq_id]
-            seq.token_ids.append(tok.token_id)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                ended.append(Finish(seq, "length"))
-        self.sched.apply(ended)
-        return plan, result
-
-    def outputs(self) -> list[list[int]]:
-        """Each request's tokens so far (all of them once has_work() is false)."""
-        while self.has_work():
-            self.step()
-        return [s.output_token_ids for s in self.seqs]
-
 @contextlib.contextmanager
 def plain_linears(model):
     """Within the block, the linear layers that ops/linear.py routed through the few-row kernel run

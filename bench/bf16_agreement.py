@@ -3,7 +3,8 @@
     python bench/bf16_agreement.py                      # exp64's first 16 requests
     python bench/bf16_agreement.py --requests 16 --explain 4,0
 
-The data plane's runner in this process (no HTTP, no ZeroMQ), on the throughput bench's exp64 trace, greedy:
+The data plane's runner in this process, played by tests/control_loop.py (no HTTP, no ZeroMQ), on the
+throughput bench's exp64 trace, greedy:
 1. tokens to the first divergence from transformers' greedy `generate` (one request at a time), with the
    runner given one request at a time and all 64 at once: whether batching changes a request's tokens;
 2. for each request of --explain: the prompt through the lean forward and through transformers, layer by
@@ -23,11 +24,10 @@ import _common as C  # noqa: E402
 from throughput import exp64_trace, first_divergence, reference  # noqa: E402
 
 
-def differs(name: str, ours, theirs) -> bool:
+def differs(name: str, ours, theirs) -> None:
     rows = (ours != theirs).reshape(ours.shape[0], -1).any(-1).nonzero().flatten().tolist()
     print(f"    {name:<16} {'equal' if not rows else f'differs in rows {rows[:6]}'}"
           + (f", largest difference {(ours.float() - theirs.float()).abs().max().item():.3g}" if rows else ""))
-    return bool(rows)
 
 
 def explain(runner, hf, prompt: list[int]) -> None:
@@ -41,6 +41,7 @@ def explain(runner, hf, prompt: list[int]) -> None:
     blocks, ids = -(-P // bs), torch.tensor(prompt)
     tables = torch.arange(blocks, dtype=torch.int32)[None]
     lens, starts = torch.tensor([P], dtype=torch.int32), torch.tensor([0, P], dtype=torch.int32)
+    rows = attention_ops.kernel_rows(starts, lens, tables)   # the prompt's rows for the attention kernel
     every = lean.layers
 
     def lean_through(n: int) -> torch.Tensor:
@@ -48,7 +49,7 @@ def explain(runner, hf, prompt: list[int]) -> None:
         pool = torch.zeros(cfg.num_hidden_layers, 2, blocks, bs, cfg.num_key_value_heads,
                            cfg.hidden_size // cfg.num_attention_heads, dtype=torch.bfloat16)
         ctx = StepContext(pool, torch.arange(P, dtype=torch.int64), tables, lens, starts, P, backend=runner.backend,
-                          kernel_rows=attention_ops.kernel_rows(starts, lens, tables))
+                          kernel_rows=rows)
         lean.layers = every[:n]
         try:
             return lean(ids, torch.arange(P), ctx)
@@ -84,7 +85,6 @@ def explain(runner, hf, prompt: list[int]) -> None:
         v_cache = torch.zeros_like(k_cache)
         q = lean.kernel.rotary_store(qkv, layer.num_heads, layer.num_kv_heads, cos, sin, k_cache, v_cache,
                                      torch.arange(P))
-        rows = attention_ops.kernel_rows(starts, lens, tables)
         out = torch.empty_like(q)
         lean.kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling, 0, 0.0,
                                  None, None, 0, rows.ends, lean.sdpa_lanes)
@@ -111,8 +111,15 @@ def main(argv=None) -> int:
     hf = C.load_hf_model(args.num_threads, device="cpu").to(torch.bfloat16)
     ref = reference(hf, trace[:args.requests])
     runner = C.default_runner(args.num_threads, "inproc://bf16-agreement", "bfloat16")
-    alone = [C.InProcess(runner, [r], f"alone{i}-").outputs()[0] for i, r in enumerate(trace[:args.requests])]
-    together = C.InProcess(runner, trace, "together").outputs()[:args.requests]
+    from shared.config import ControlPlaneConfig as cp   # the class attributes are the server's defaults
+    from tests.control_loop import play
+
+    def served(requests):   # greedy, no log-prob asked for, with the server's step budget and batch size
+        return play(runner, [list(r.prompt_ids) for r in requests], [r.output_len for r in requests],
+                    budget=cp.max_num_batched_tokens, max_num_seqs=cp.max_num_seqs, logprobs=None).outputs
+
+    alone = [served([r])[0] for r in trace[:args.requests]]
+    together = served(trace)[:args.requests]
     total = sum(len(tokens) for tokens, _ in ref)
     for name, outs in (("one request at a time", alone), ("all 64 at once", together)):
         firsts = [first_divergence(o, t) for o, (t, _) in zip(outs, ref)]

@@ -33,19 +33,42 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
 
+    from control_plane.block_manager import BlockManager
+    from control_plane.sampling_params import SamplingParams
+    from control_plane.scheduler import Finish, Scheduler
+    from control_plane.sequence import Sequence
+    from shared.config import ControlPlaneConfig
     trace = exp64_trace(args.num_requests, args.seed) if args.workload == "exp64" else \
         C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload, (C.PROMPT_RANGE[0], 256),
                      (C.OUTPUT_RANGE[0], 512))
     print(C.machine_line(args.num_threads))
     print(f"trace: {args.workload}, {C.describe_trace(trace)}, {args.dtype}")
     runner = C.default_runner(args.num_threads, "inproc://mix", args.dtype)
-    mix = C.InProcess(runner, trace)
+    cp = ControlPlaneConfig   # the class attributes are the defaults
+    sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True),
+                      cp.max_num_seqs, cp.max_num_batched_tokens)
+    seqs = []
+    for i, req in enumerate(trace):
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        seqs.append(Sequence(f"r{i}", list(req.prompt_ids), len(req.prompt_ids), params, params.spec([]),
+                             arrival_time=float(i)))
+        sched.add(seqs[-1])
+    by_id = {s.seq_id: s for s in seqs}
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])   # steps, seconds, tokens
     step, started = 0, time.perf_counter()
-    while mix.has_work():
+    while sched.has_work():
         t0 = time.perf_counter()
-        plan, result = mix.step()
+        plan = sched.schedule()
         step += 1
+        result = runner.execute(plan)
+        sched.update(plan, result)
+        ended = []
+        for tok in result.sampled:
+            seq = by_id[tok.seq_id]
+            seq.token_ids.append(tok.token_id)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                ended.append(Finish(seq, "length"))
+        sched.apply(ended)
         took = time.perf_counter() - t0
         rows = len(plan.new_seqs) + len(plan.cached_seqs)
         if rows == 0:

@@ -31,12 +31,13 @@ class Played:
     forks: list[tuple[int, list[int], list[float]]]
 
 
-def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int | None = None,
+def play(runner, prompts: list[list[int]], max_tokens: int | list[int], *, num_blocks: int | None = None,
          block_size: int | None = None, budget: int = 16, max_num_seqs: int = 8, caching: bool = True,
          mode: str = "recompute", num_cpu_blocks: int = 0, temperature: float = 0.0,
          sliding_window: int = 0, num_state_slots: int = 0, samples: dict[int, int] | None = None,
          group_reaches: list[int] | None = None, logprobs: int | None = 0) -> Played:
-    """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each.
+    """Runs `prompts` (greedy, or unseeded sampling at `temperature` > 0) to `max_tokens` outputs each (or
+    each its own, given a list).
     The scheduler uses blocks [0, num_blocks) of the pool (default: the runner's whole pool; a smaller
     number than the data plane has forces preemption) and `num_cpu_blocks` of swap space; with
     `sliding_window` (or `group_reaches`, the handshake's layer groups) the block manager frees blocks that
@@ -54,7 +55,8 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
                       sliding_window=sliding_window, num_state_slots=num_state_slots, group_reaches=group_reaches)
     sched = Scheduler(bm, max_num_seqs, budget, PreemptionPolicy(mode, 1))
     samples = samples or {}
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, n=samples.get(i, 1), logprobs=logprobs)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(max_tokens=limits[i], temperature=temperature, n=samples.get(i, 1), logprobs=logprobs)
               for i in range(len(prompts))]
     seqs = [Sequence(f"r{i}", list(p), len(p), params[i], params[i].spec([]), arrival_time=float(i))
             for i, p in enumerate(prompts)]
@@ -67,7 +69,7 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
     peak = 0
     while sched.has_work():
         plan = sched.schedule()
-        assert plan.step_id < 50 * len(prompts) * (max_tokens + 1), "the scheduler makes no progress"
+        assert plan.step_id < 50 * len(prompts) * (max(limits) + 1), "the scheduler makes no progress"
         result = runner.execute(plan)
         assert result.error is None, result.error
         sched.update(plan, result)
@@ -88,7 +90,7 @@ def play(runner, prompts: list[list[int]], max_tokens: int, *, num_blocks: int |
             for stream, tok in zip(streams, seq_draws):
                 stream.token_ids.append(tok.token_id)
                 logprobs[stream.seq_id].append(tok.logprob)
-                if stream.num_output_tokens >= max_tokens:
+                if stream.num_output_tokens >= stream.params.max_tokens:
                     ended.append(Finish(stream, "length"))
         sched.apply(forked + ended)
         sched.check_integrity()

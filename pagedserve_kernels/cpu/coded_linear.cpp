@@ -34,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -241,8 +242,8 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 // no panel buffer to write and read back, which a step of a few rows cannot amortize. The FMA chains go
 // this way for up to kChainRows rows (with more, the panel's tiles were as fast, even against two tiles
 // of rows over each group's expansion), the bfloat16 dot product for up to kDirectRows.
-constexpr int64_t kDirectRows = 4;
-constexpr int64_t kChainRows = 16;
+constexpr int kDirectRows = 4;
+constexpr int kChainRows = 16;
 
 #ifdef PAGEDSERVE_AVX512
 // Groups side by side in the direct path: one output's sum is a chain of dependent FMAs (the order over k
@@ -354,6 +355,17 @@ inline void direct_groups_in(int64_t g0, int64_t g1, Fn fn) {
   if constexpr (G > 2) if (rest == 2) return fn(std::integral_constant<int, 2>{}, g);
   if (rest == 1) fn(std::integral_constant<int, 1>{}, g);
 }
+
+// fn(std::integral_constant<int, M>{}) for a row count M known only at run time, 1 <= M <= N: each count
+// its own instance of the direct path, whose registers are sized by it
+template <typename Fn, int... Ms>
+inline void with_rows_in(int64_t M, Fn& fn, std::integer_sequence<int, Ms...>) {
+  (void)((M == Ms + 1 ? (fn(std::integral_constant<int, Ms + 1>{}), true) : false) || ...);
+}
+template <int N, typename Fn>
+inline void with_rows(int64_t M, Fn fn) {
+  with_rows_in(M, fn, std::make_integer_sequence<int, N>{});
+}
 #endif
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
@@ -406,14 +418,11 @@ void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y) {
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    switch (M) {
-#define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group_dot<m, decltype(G)::value, Paired>(w, g, xp, yp, groups * kGroup); })
-      case 1: PAGEDSERVE_DIRECT(1); break;
-      case 2: PAGEDSERVE_DIRECT(2); break;
-      case 3: PAGEDSERVE_DIRECT(3); break;
-      default: PAGEDSERVE_DIRECT(4); break;
-#undef PAGEDSERVE_DIRECT
-    }
+    with_rows<kDirectRows>(M, [&](auto m) {
+      direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
+        direct_group_dot<m(), G(), Paired>(w, g, xp, yp, groups * kGroup);
+      });
+    });
   });
 }
 
@@ -425,26 +434,9 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
 #ifdef PAGEDSERVE_AVX512
   if (M >= 1 && M <= kChainRows) {
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-      switch (M) {
-#define PAGEDSERVE_DIRECT(m) direct_groups_in<m>(g0, g1, [&](auto G, int64_t g) { direct_group<T, m, decltype(G)::value>(w, g, xp, yp, N); })
-        case 1: PAGEDSERVE_DIRECT(1); break;
-        case 2: PAGEDSERVE_DIRECT(2); break;
-        case 3: PAGEDSERVE_DIRECT(3); break;
-        case 4: PAGEDSERVE_DIRECT(4); break;
-        case 5: PAGEDSERVE_DIRECT(5); break;
-        case 6: PAGEDSERVE_DIRECT(6); break;
-        case 7: PAGEDSERVE_DIRECT(7); break;
-        case 8: PAGEDSERVE_DIRECT(8); break;
-        case 9: PAGEDSERVE_DIRECT(9); break;
-        case 10: PAGEDSERVE_DIRECT(10); break;
-        case 11: PAGEDSERVE_DIRECT(11); break;
-        case 12: PAGEDSERVE_DIRECT(12); break;
-        case 13: PAGEDSERVE_DIRECT(13); break;
-        case 14: PAGEDSERVE_DIRECT(14); break;
-        case 15: PAGEDSERVE_DIRECT(15); break;
-        default: PAGEDSERVE_DIRECT(16); break;
-#undef PAGEDSERVE_DIRECT
-      }
+      with_rows<kChainRows>(M, [&](auto m) {
+        direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) { direct_group<T, m(), G()>(w, g, xp, yp, N); });
+      });
     });
     return;
   }
