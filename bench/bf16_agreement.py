@@ -87,7 +87,7 @@ def explain(runner, hf, prompt: list[int]) -> None:
                                      torch.arange(P))
         out = torch.empty_like(q)
         lean.kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling, 0, 0.0,
-                                 None, None, 0, rows.ends, lean.sdpa_lanes)
+                                 None, None, 0, rows.ends, lean.sdpa_lanes, rows.qrows if lean.mkl_order else None)
         differs("attention", out.view(P, -1), seen["o in"])
         differs("o", layer.o(seen["o in"].contiguous()), seen["o"])
         residual = seen["in"].clone()

@@ -150,6 +150,7 @@ class LlamaForward:
         backend = attention_ops.choose(weight.device, weight.dtype)
         self.attention_kernel = backend.kernel
         self.sdpa_lanes = backend.sdpa_lanes
+        self.mkl_order = backend.mkl_order
         self.kernel = kernel
         self.fused_attention = self.attention_kernel is not None and use_kernel
         # each norm's (weight, eps): norms[i] before layer i (norms[-1] the model's last), post_norms[i] after
@@ -187,8 +188,9 @@ class LlamaForward:
                 q = kernel.rotary_store(qkv, layer.num_heads, layer.num_kv_heads, cos, sin, k_cache, v_cache,
                                         ctx.slot_mapping)
                 out = torch.empty_like(q)
-                kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling, 0, 0.0,
-                                    None, None, 0, rows.ends, self.sdpa_lanes)
+                kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling,
+                                    0, 0.0, None, None, 0, rows.ends, self.sdpa_lanes,
+                                    rows.qrows if self.mkl_order else None)
             else:
                 out = self._attention(layer, qkv, cos, sin, k_cache, v_cache, ctx)
             x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size)), *self.post_norms[index])
@@ -207,7 +209,8 @@ class LlamaForward:
             self.attention_kernel.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
             return attention_ops.paged_attention_cpu(self.attention_kernel, q, k_cache, v_cache, ctx.block_tables,
                                                      ctx.seq_lens, ctx.query_start_loc, layer.scaling,
-                                                     work=ctx.kernel_rows, lanes=self.sdpa_lanes)
+                                                     work=ctx.kernel_rows, lanes=self.sdpa_lanes,
+                                                     mkl_order=self.mkl_order)
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, backend=ctx.backend)
         return paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                                layer.scaling, ctx.max_query_len, kernel_rows=ctx.kernel_rows, backend=ctx.backend)

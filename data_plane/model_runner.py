@@ -332,7 +332,7 @@ class ModelRunner:
         return StepResult(plan.step_id, sampled, num_tokens, t2 - t1, t1 - t0, prompt_logprobs=prompt_scores)
 
     def _prepare(self, scheduled):
-        input_ids, positions, seq_lens, starts, rows, sample_rows = [], [], [], [0], [], []
+        input_ids, positions, seq_lens, starts, rows, sample_rows, prompt_lens = [], [], [], [0], [], [], []
         state_seqs = []
         max_blocks = 1
         bs, groups, windowed = self.block_size, self.layout.num_groups, self.layout.windowed
@@ -356,6 +356,7 @@ class ModelRunner:
             for g, group_slots in enumerate(slots):
                 group_slots.extend(table[p // bs * groups + g] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
+            prompt_lens.append(st.num_prompt_tokens)
             starts.append(starts[-1] + num_new)
             rows.append(st.row)
             if self.states is not None:
@@ -368,8 +369,9 @@ class ModelRunner:
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         starts_t = torch.tensor(starts, dtype=torch.int32, device=dev)
         decode_only = len(input_ids) == len(seq_lens)   # row r is sequence r's one new token
+        prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.int32, device=dev)
         views = [self._group_view(slots[g], tables if groups == 1 else tables[:, g::groups].contiguous(),
-                                  seq_lens_t, starts_t, decode_only) for g in range(groups)]
+                                  seq_lens_t, starts_t, prompt_lens_t, decode_only) for g in range(groups)]
         ctx = attention.StepContext(
             kv_pool=self.pool, slot_mapping=views[0].slot_mapping, block_tables=views[0].block_tables,
             seq_lens=seq_lens_t, query_start_loc=starts_t,
@@ -382,15 +384,15 @@ class ModelRunner:
         return ctx, ids, pos, sample_rows
 
     def _group_view(self, slots: list[int], tables: torch.Tensor, seq_lens: torch.Tensor,
-                    starts: torch.Tensor, decode_only: bool) -> attention.GroupStep:
+                    starts: torch.Tensor, prompt_lens: torch.Tensor, decode_only: bool) -> attention.GroupStep:
         """One layer group's part of a step: its slots, its block tables and, on the CPU, the kernel's rows
         (made once for every layer of the group)."""
         rows = None
         if not self.backend.triton:
             if decode_only:
-                rows = attention_ops.KernelRows(self._row_ids(seq_lens.shape[0]), tables, seq_lens, [], seq_lens)
+                rows = attention_ops.decode_rows(self._row_ids(seq_lens.shape[0]), tables, seq_lens, prompt_lens)
             else:
-                rows = attention_ops.kernel_rows(starts, seq_lens, tables)
+                rows = attention_ops.kernel_rows(starts, seq_lens, tables, prompt_lens=prompt_lens)
         return attention.GroupStep(torch.tensor(slots, dtype=torch.int64, device=self.device), tables, rows)
 
     def _row_ids(self, n: int) -> torch.Tensor:

@@ -60,6 +60,7 @@ class Backend:
     triton: bool
     kernel: object | None = None   # the C++ module (pagedserve_kernels/cpu) when it serves this device and dtype
     sdpa_lanes: int = 0            # > 0: the kernel's bfloat16 rows in torch's SDPA order (torch_sdpa_lanes)
+    mkl_order: bool = False        # and their two products in MKL's order (ops/sdpa_order.py)
 
     def describe(self) -> str:
         """The choice in words, for the start-up log."""
@@ -91,7 +92,12 @@ def choose(device: torch.device, dtype: torch.dtype, triton: bool | None = None)
     kernel = None
     if not triton and device.type == "cpu" and dtype in KERNEL_DTYPES:
         kernel = cpu_kernels.load()
-    return Backend(device.type, dtype, triton, kernel, torch_sdpa_lanes(dtype) if kernel is not None else 0)
+    lanes = torch_sdpa_lanes(dtype) if kernel is not None else 0
+    mkl_order = False
+    if lanes:
+        from ops import sdpa_order
+        mkl_order = sdpa_order.mkl_order_matches(kernel, lanes)
+    return Backend(device.type, dtype, triton, kernel, lanes, mkl_order)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -172,7 +178,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kernel = backend.serves_kernel(query, k_cache)
     if kernel is not None:
         return paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, work=kernel_rows, lanes=backend.sdpa_lanes, **variant)
+                                   scale, work=kernel_rows, lanes=backend.sdpa_lanes, mkl_order=backend.mkl_order,
+                                   **variant)
     return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                      scale, max_query_len, **variant)
 
@@ -197,10 +204,17 @@ class KernelRows:
     # int32 [R]: the context of row r's sequence after the step: the keys of the one call in which
     # transformers computes that row (a prompt's rows in one call over the prompt, a decode row alone)
     ends: torch.Tensor | None = None
+    # int32 [R]: the query rows of that call's block in which torch's flash attention computes row r (1 for a
+    # decode row): the shape of the two products whose order the kernel can follow (Backend.mkl_order)
+    qrows: torch.Tensor | None = None
 
 
 def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                max_query: int = KERNEL_MAX_QUERY) -> KernelRows:
+                max_query: int = KERNEL_MAX_QUERY, prompt_lens: torch.Tensor | None = None) -> KernelRows:
+    """`prompt_lens` (int32 [S], each sequence's prompt tokens), where the caller knows them: the call in
+    which transformers computes each row follows from its position (a prompt's rows in one call over the
+    prompt, every later token a call of its own), even when a prompt comes in chunks. Without, a
+    sequence's rows are one call over its length after the step, or a decode call for a run of one."""
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
     seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=starts.device), q_lens)
@@ -209,24 +223,55 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     seq = seq_of_token.index_select(0, token)
     # token t of sequence s sits at position seq_lens[s] - (end of s - t): it sees that many + 1
     lens = seq_lens.long().index_select(0, seq) - starts[1:].index_select(0, seq) + token + 1
+    if prompt_lens is None:
+        ends, qrows = _calls(lens - 1, seq_lens.long().index_select(0, seq), q_lens.index_select(0, seq) == 1)
+    else:
+        ends, qrows = transformers_calls(lens - 1, prompt_lens.long().index_select(0, seq))
     return KernelRows(token.contiguous(), block_tables.to(torch.int32).index_select(0, seq).contiguous(),
                       lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist(),
-                      seq_lens.to(torch.int32).index_select(0, seq).contiguous())
+                      ends, qrows)
+
+
+def decode_rows(row_ids: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                prompt_lens: torch.Tensor | None = None) -> KernelRows:
+    """The kernel's rows for a step of one new token per sequence, row r that of sequence r (`row_ids`:
+    0 .. R - 1); `prompt_lens` as for kernel_rows (a prompt's last token may come alone)."""
+    if prompt_lens is None:
+        ends, qrows = seq_lens, torch.ones_like(seq_lens)
+    else:
+        ends, qrows = transformers_calls(seq_lens.long() - 1, prompt_lens.long())
+    return KernelRows(row_ids, block_tables, seq_lens, [], ends, qrows)
+
+
+def transformers_calls(position: torch.Tensor, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row at `position` of a sequence with a prompt of `prompt_len` tokens: the keys of the call in which
+    transformers' generate computes it, and the query rows of its block in torch's flash attention."""
+    prompt = position < prompt_len
+    return _calls(position, torch.where(prompt, prompt_len, position + 1), ~prompt)
+
+
+def _calls(position: torch.Tensor, keys: torch.Tensor, decode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, query rows) as int32: torch's flash attention splits a call's queries into blocks of 32 (under
+    192 queries), 64 (under 768) or 256; a decode row is a call of one."""
+    split = torch.where(keys < 192, 32, torch.where(keys < 768, 64, 256))
+    first = torch.div(position, split, rounding_mode="floor") * split
+    rows = torch.where(decode, torch.ones_like(keys), torch.minimum(split, keys - first))
+    return keys.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous()
 
 
 def paged_attention_cpu(kernel, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, *,
                         sliding_window=None, softcap=None, sinks=None, alibi=None, chunk=None,
-                        work: KernelRows | None = None, lanes: int = 0):
+                        work: KernelRows | None = None, lanes: int = 0, mkl_order: bool = False):
     """The kernel's rows (decode rows and short prompt runs) straight from the blocks; longer prompt
     runs through the reference's causal SDPA over the gathered context. `lanes` > 0: bfloat16 rows in
-    torch's SDPA order (Backend.sdpa_lanes)."""
+    torch's SDPA order (Backend.sdpa_lanes), and with `mkl_order` their products in MKL's order."""
     out = torch.empty_like(query)
     work = kernel_rows(query_start_loc, seq_lens, block_tables) if work is None else work
     if work.tokens.numel():
         # 0 means none to the kernel
         kernel.paged_decode(out, query, k_cache.contiguous(), v_cache.contiguous(), work.tables, work.lens,
                             work.tokens, float(scale), int(sliding_window or 0), float(softcap or 0.0), sinks,
-                            alibi, int(chunk or 0), work.ends, lanes)
+                            alibi, int(chunk or 0), work.ends, lanes, work.qrows if mkl_order else None)
     if work.rest:
         start_list, seq_len_list = query_start_loc.tolist(), seq_lens.tolist()
         for s in work.rest:

@@ -8,7 +8,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
                   int64_t window, double softcap, c10::optional<at::Tensor> sinks,
                   c10::optional<at::Tensor> alibi, int64_t chunk, c10::optional<at::Tensor> ends,
-                  int64_t lanes);
+                  int64_t lanes, c10::optional<at::Tensor> qrows);
 at::Tensor skinny_linear(at::Tensor x, at::Tensor w);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
 std::vector<at::Tensor> rotary(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
@@ -39,12 +39,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged decode attention over the block pool (float32 or bfloat16; window, softcap and chunk 0: none; "
         "sinks and ALiBi slopes float32 [heads] or None; ends int32 [R], the keys of transformers' call per row, "
-        "with lanes 8 or 16: bfloat16 in torch's SDPA order)",
+        "with lanes 8 or 16: bfloat16 in torch's SDPA order; qrows int32 [R], the query rows of that call: its two "
+        "products in MKL's order)",
         pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("tokens"), pybind11::arg("scale"),
         pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("sinks") = pybind11::none(),
         pybind11::arg("alibi") = pybind11::none(), pybind11::arg("chunk") = 0,
-        pybind11::arg("ends") = pybind11::none(), pybind11::arg("lanes") = 0);
+        pybind11::arg("ends") = pybind11::none(), pybind11::arg("lanes") = 0,
+        pybind11::arg("qrows") = pybind11::none());
   m.def("skinny_linear", &skinny_linear, "x [M, K] . w[N, K]^T for a few rows M (float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place, x optional), then RMSNorm(residual) * w (float32)");
   m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");

@@ -170,6 +170,10 @@ struct Shape {
   // bfloat16 in torch's SDPA order (see below): per row the keys of transformers' call, and torch's lanes
   const int32_t* ends = nullptr;
   int64_t lanes = 0;              // 0: this kernel's own order
+  // and, where given, per row the query rows of torch's call that computes it (1 for a decode row):
+  // then q.k and the weighted values add in the order of MKL's product (see mkl_scores)
+  const int32_t* qrows = nullptr;
+  int64_t max_pool_rows = 0;      // blocks * block_size of the pool
 };
 
 // the first position a query at `last` sees: within its window and its chunk
@@ -209,8 +213,9 @@ inline float finish_scores(const Shape& sh, float* s, int64_t len, int64_t head,
 // row) the running maximum; exp(s - max) by the fast exponential for whole vectors of `lanes` keys and
 // by expf for the rest of the block; their sum per lane, the lanes added pairwise (halving), then the
 // rest in order; an earlier block's sums and weighted values rescaled by exp(old max - new max); the
-// numerators rounded to bfloat16; the output multiplied by 1 / sum. Only the float32 sums of the two
-// products (q.k, and the weighted values) may add in another order: rarely a different rounded result.
+// numerators rounded to bfloat16; the output multiplied by 1 / sum. The float32 sums of the two products
+// (q.k, and the weighted values) add in MKL's order where the caller gives Shape::qrows (below), else in
+// this kernel's: then rarely a different rounded result.
 constexpr int64_t kSdpaBlock = 512;
 
 // bits of the float32 constants of torch's fast exponential (Vectorized<float>::fexp_u20, after Malossi
@@ -423,14 +428,194 @@ inline float exp_shifted_sum16(float* s, int64_t n, float m) {
   return _mm512_reduce_add_ps(total);
 }
 
+// --- the two products in MKL's order -----------------------------------------------------------------
+// torch's flash attention takes q.k and the weighted values from MKL's cblas_gemm_bf16bf16f32, whose
+// float32 sums add in an order of their own that depends on the product's shape. Where a start-up check
+// (ops/sdpa_order.py) finds that this order gives torch's bits, the kernel follows it. Read from MKL on
+// an AMD Zen 4 (its AVX2 path) term by term, for torch's calls: q.k of a call of n query rows over a
+// block of m keys, per key: for n = 1 (a decode row) four chains over the dimensions mod 4, added as
+// (0 + 2) + (1 + 3) ("chains of four"); for n of 2 or 3, or m under 12, the same for all but the last
+// m mod 4 keys, which take eight chains, added as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)); otherwise
+// one sequential sum over the dimensions. The weighted values, per output: for n = 1, the keys in groups
+// of four, each group added as (0 + 2) + (1 + 3) and then to the running sum, the last m mod 4 keys
+// one by one from the last; otherwise one sequential sum over the keys (masked keys add zeros). The
+// products of two bfloat16 values are exact in float32, so an FMA adds exactly what MKL adds.
+constexpr int64_t kMklSeqRows = 4, kMklSeqKeys = 12;
+
+// dimensions d of q.k summed in `chains` chains over d mod chains, the chains then added pairwise as
+// MKL does (chains 4: (0 + 2) + (1 + 3); 8: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))); 1: sequential
+template <typename T>
+inline float dot_chains(const float* q, const T* k, int64_t D, int chains) {
+  float c[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t d = 0; d < D; ++d) c[d % chains] = std::fma(q[d], pagedserve::to_float(k[d]), c[d % chains]);
+  if (chains == 1) return c[0];
+  if (chains == 4) return (c[0] + c[2]) + (c[1] + c[3]);
+  return ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+}
+
+// the row of position p of head h in `cache`
+template <typename T>
+inline const T* position_row(const Shape& sh, const T* cache, const int32_t* table, int64_t p, int64_t h) {
+  return cache + (static_cast<int64_t>(table[p / sh.block_size]) * sh.block_size + p % sh.block_size) * sh.slot_stride +
+         h * sh.head_dim;
+}
+
+#ifdef PAGEDSERVE_AVX512
+// scores[c * len + p] = <q_c, k_p> for keys p of [p0, p1), in MKL's chains of four. Four keys at a time:
+// their rows' 128-bit quarters transposed, so that quarter u of vector v of every key sits in slot key of
+// one register, and each of its four lanes carries one chain (d mod 4) of that key.
+template <int NV, int C, typename T>
+void chains4_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const int32_t* table, int64_t h,
+                    int64_t p0, int64_t p1, int64_t len, float* scores) {
+  // quarter u of query vector v, broadcast to the four slots
+  __m512 qb[C][NV][4];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < NV; ++v) {
+      qb[c][v][0] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0x00);
+      qb[c][v][1] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0x55);
+      qb[c][v][2] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0xAA);
+      qb[c][v][3] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0xFF);
+    }
+  const __m512i firsts = _mm512_set_epi32(15, 14, 13, 11, 10, 9, 7, 6, 5, 3, 2, 1, 12, 8, 4, 0);
+  for (int64_t p = p0; p < p1; p += 4) {
+    const int64_t n = std::min<int64_t>(4, p1 - p);
+    const T* rows[4];
+    for (int64_t i = 0; i < 4; ++i) rows[i] = position_row(sh, kc, table, p + std::min(i, n - 1), h);
+    if (p + sh.block_size < p1) __builtin_prefetch(position_row(sh, kc, table, p + sh.block_size, h), 0, 2);
+    __m512 x[NV][4];
+    for (int v = 0; v < NV; ++v) {
+      const __m512 a = pagedserve::load16(rows[0] + 16 * v), b = pagedserve::load16(rows[1] + 16 * v);
+      const __m512 c = pagedserve::load16(rows[2] + 16 * v), d = pagedserve::load16(rows[3] + 16 * v);
+      const __m512 ab_lo = _mm512_shuffle_f32x4(a, b, 0x44), ab_hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+      const __m512 cd_lo = _mm512_shuffle_f32x4(c, d, 0x44), cd_hi = _mm512_shuffle_f32x4(c, d, 0xEE);
+      x[v][0] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
+      x[v][1] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
+      x[v][2] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
+      x[v][3] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    for (int c = 0; c < C; ++c) {
+      __m512 acc = _mm512_mul_ps(qb[c][0][0], x[0][0]);
+      for (int v = 0; v < NV; ++v)
+        for (int u = (v == 0 ? 1 : 0); u < 4; ++u) acc = _mm512_fmadd_ps(qb[c][v][u], x[v][u], acc);
+      const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));      // (0 + 2), (1 + 3)
+      const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));   // their sum in lane 0
+      _mm512_mask_storeu_ps(scores + c * len + p, keep, _mm512_permutexvar_ps(firsts, sums));
+    }
+  }
+}
+
+// scores[c * len + p] = <q_c, k_p> summed over the dimensions in order, for bfloat16 keys of [p0, p1): sixteen
+// keys at a time, one per lane, each pair of dimensions gathered as one 32-bit word. Returns where it
+// stopped (p0 for float32 keys, or a pool too large for 32-bit offsets): the rest is the caller's.
+template <int NV, int C, typename T>
+int64_t seq_scores_bf16(const Shape& sh, const float (&qf)[C][16 * NV], const T* kc, const int32_t* table,
+                        int64_t h, int64_t p0, int64_t p1, int64_t len, float* scores) {
+  if constexpr (!std::is_same<T, pagedserve::bf16>::value) {
+    return p0;
+  } else {
+    const int64_t pool = static_cast<int64_t>(sh.max_pool_rows) * sh.slot_stride;
+    if (pool >= (int64_t{1} << 31)) return p0;
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int64_t p = p0; p < p1; p += 16) {
+      const int64_t n = std::min<int64_t>(16, p1 - p);
+      alignas(64) int32_t offset[16];
+      for (int64_t i = 0; i < 16; ++i)
+        offset[i] = static_cast<int32_t>(position_row(sh, kc, table, p + std::min(i, n - 1), h) - kc);
+      const __m512i base = _mm512_load_si512(offset);
+      __m512 acc[C];
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+      for (int t = 0; t < 8 * NV; ++t) {
+        const __m512i pair = _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(2 * t)), kc, 2);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
+        for (int c = 0; c < C; ++c) {
+          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][2 * t]), even, acc[c]);
+          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][2 * t + 1]), odd, acc[c]);
+        }
+      }
+      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+      for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(scores + c * len + p, keep, acc[c]);
+    }
+    return p1;
+  }
+}
+
+// The item's scores q.k (unscaled) in MKL's order for a row of a call of `qrows` query rows over `end`
+// keys (blocks of kSdpaBlock, as torch splits them).
+template <int NV, int C, typename T>
+void mkl_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const int32_t* table, int64_t h,
+                int64_t len, int64_t end, int64_t qrows, float* scores) {
+  constexpr int64_t D = 16 * NV;
+  float qf[C][D];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(qf[c] + 16 * v, qv[c][v]);
+  for (int64_t b0 = 0; b0 < len; b0 += kSdpaBlock) {
+    const int64_t m = std::min(kSdpaBlock, end - b0), stop = std::min(len, b0 + kSdpaBlock);
+    if (qrows >= kMklSeqRows && m >= kMklSeqKeys) {
+      const int64_t vec_end = seq_scores_bf16<NV, C, T>(sh, qf, kc, table, h, b0, stop, len, scores);
+      for (int64_t p = vec_end; p < stop; ++p) {
+        const T* k = position_row(sh, kc, table, p, h);
+        for (int c = 0; c < C; ++c) scores[c * len + p] = dot_chains(qf[c], k, D, 1);
+      }
+      continue;
+    }
+    const int64_t fours = qrows == 1 ? stop : std::min(stop, b0 + m - m % 4);
+    chains4_scores<NV, C, T>(sh, qv, kc, table, h, b0, fours, len, scores);
+    for (int64_t p = fours; p < stop; ++p) {
+      const T* k = position_row(sh, kc, table, p, h);
+      for (int c = 0; c < C; ++c) scores[c * len + p] = dot_chains(qf[c], k, D, 8);
+    }
+  }
+}
+
+// acc[c] += the weighted value rows of a decode row (a call of one query row) in MKL's order: per block
+// of kSdpaBlock keys (an earlier block's sums rescaled first), groups of four keys added as
+// (0 + 2) + (1 + 3), then the block's last keys one by one from its last
+template <int NV, int C, typename T>
+void mkl_values_one_row(const Shape& sh, const T* vc, const int32_t* table, int64_t h, int64_t len,
+                        const float* scores, const float* rescale, int64_t blocks, __m512 (&acc)[C][NV]) {
+  for (int64_t b0 = 0; b0 < len; b0 += kSdpaBlock) {
+    if (b0 > 0)
+      for (int c = 0; c < C; ++c) {
+        const __m512 factor = _mm512_set1_ps(rescale[c * blocks + b0 / kSdpaBlock]);
+        for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
+      }
+    const int64_t stop = std::min(len, b0 + kSdpaBlock), fours = stop - (stop - b0) % 4;
+    for (int64_t p = b0; p < fours; p += 4) {
+      const T* rows[4];
+      for (int64_t i = 0; i < 4; ++i) rows[i] = position_row(sh, vc, table, p + i, h);
+      if (p + sh.block_size < stop) __builtin_prefetch(position_row(sh, vc, table, p + sh.block_size, h), 0, 2);
+      for (int v = 0; v < NV; ++v) {
+        const __m512 r0 = pagedserve::load16(rows[0] + 16 * v), r1 = pagedserve::load16(rows[1] + 16 * v);
+        const __m512 r2 = pagedserve::load16(rows[2] + 16 * v), r3 = pagedserve::load16(rows[3] + 16 * v);
+        for (int c = 0; c < C; ++c) {
+          const float* w = scores + c * len + p;
+          const __m512 even = _mm512_fmadd_ps(_mm512_set1_ps(w[2]), r2, _mm512_mul_ps(_mm512_set1_ps(w[0]), r0));
+          const __m512 odd = _mm512_fmadd_ps(_mm512_set1_ps(w[3]), r3, _mm512_mul_ps(_mm512_set1_ps(w[1]), r1));
+          acc[c][v] = _mm512_add_ps(acc[c][v], _mm512_add_ps(even, odd));
+        }
+      }
+    }
+    for (int64_t p = stop - 1; p >= fours; --p) {
+      const T* row = position_row(sh, vc, table, p, h);
+      for (int v = 0; v < NV; ++v) {
+        const __m512 r = pagedserve::load16(row + 16 * v);
+        for (int c = 0; c < C; ++c) acc[c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + p]), r, acc[c][v]);
+      }
+    }
+  }
+}
+#endif
+
 // One item of up to C query heads that share a KV head, head_dim = 16 NV: the queries and the
 // output accumulators stay in registers while the item walks the context. Per position: the key
 // row is loaded once for the C heads (NV loads, C * NV FMAs, C lane sums), the value row once
 // (NV loads, C * NV FMAs).
 template <int NV, int C, typename T>
 void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                    const int32_t* table, int64_t begin, int64_t full_len, int64_t end, int64_t tok, int64_t h,
-                    int64_t j0, float* scores, float* rescale) {
+                    const int32_t* table, int64_t begin, int64_t full_len, int64_t end, int64_t qrows, int64_t tok,
+                    int64_t h, int64_t j0, float* scores, float* rescale) {
   const int64_t len = full_len - begin;
   const bool sdpa = sdpa_order<T>(sh);   // (then begin is 0)
   // the scale goes into the query, or after the dot products in torch's SDPA order
@@ -441,7 +626,9 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     for (int v = 0; v < NV; ++v) qv[c][v] = _mm512_mul_ps(pagedserve::load16(qh + 16 * v), qscale);
   }
   // scores[c * len + p] = <scale * q_c, k_p>
-  walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+  const bool mkl = sdpa && qrows > 0;
+  if (mkl) mkl_scores<NV, C, T>(sh, qv, kc, table, h, len, end, qrows, scores);
+  else walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     const T* k = row + h * sh.head_dim;
     __m512 kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = pagedserve::load16(k + 16 * v);
@@ -459,7 +646,8 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   __m512 acc[C][NV];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
-  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+  if (mkl && qrows == 1) mkl_values_one_row<NV, C, T>(sh, vc, table, h, len, scores, rescale, blocks, acc);
+  else walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
       for (int c = 0; c < C; ++c) {
         const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
@@ -482,7 +670,8 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
 
 template <int NV, typename T>
 void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                   const int32_t* table, int64_t full_len, int64_t end, int64_t tok, int64_t h0, int64_t h1,
+                   const int32_t* table, int64_t full_len, int64_t end, int64_t qrows, int64_t tok, int64_t h0,
+                   int64_t h1,
                    std::vector<float>& scores) {
   constexpr int kChunk = NV <= 4 ? 4 : 2;   // query heads per pass: C * NV accumulators in registers
   const int64_t begin = first_visible(sh, full_len - 1);
@@ -495,10 +684,10 @@ void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       float* sc = scores.data();
       float* sf = sc + kChunk * len;
       switch (c) {
-        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
-        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
-        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
-        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, end, tok, h, j, sc, sf); break;
+        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
+        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
+        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
+        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
       }
       j += c;
     }
@@ -507,14 +696,15 @@ void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
 // the AVX-512 path for head_dim 16 NV (NV = 1..8); false: not handled here
 template <typename T>
 bool decode_avx512(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
-                   const int32_t* table, int64_t full_len, int64_t end, int64_t tok, int64_t h0, int64_t h1,
+                   const int32_t* table, int64_t full_len, int64_t end, int64_t qrows, int64_t tok, int64_t h0,
+                   int64_t h1,
                    std::vector<float>& scores) {
   switch (sh.head_dim) {
-    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
-    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
-    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
-    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
-    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, end, tok, h0, h1, scores); return true;
+    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
+    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
+    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
+    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
+    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
     default: return false;
   }
 }
@@ -552,9 +742,10 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
     for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
       const int64_t tok = toks[r], len = lens[r], end = sh.ends != nullptr ? sh.ends[r] : len;
+      const int64_t qrows = sh.qrows != nullptr ? sh.qrows[r] : 0;
       const int32_t* table = tables + r * sh.max_blocks;
 #ifdef PAGEDSERVE_AVX512
-      if (decode_avx512(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores)) continue;
+      if (decode_avx512(sh, q, kc, vc, o, table, len, end, qrows, tok, h0, h0 + heads_per_item, scores)) continue;
 #endif
       if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores, acc);
       else decode_one<false>(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores, acc);
@@ -568,7 +759,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
                   int64_t window, double softcap, c10::optional<at::Tensor> sinks,
                   c10::optional<at::Tensor> alibi, int64_t chunk, c10::optional<at::Tensor> ends,
-                  int64_t lanes) {
+                  int64_t lanes, c10::optional<at::Tensor> qrows) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
               v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
@@ -597,6 +788,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   sh.group = query.size(1) / sh.kv_heads;
   sh.max_blocks = block_tables.size(1);
   sh.slot_stride = sh.kv_heads * sh.head_dim;
+  sh.max_pool_rows = k_cache.size(0) * k_cache.size(1);
   sh.q_tok = query.stride(0);
   sh.q_head = query.stride(1);
   sh.o_tok = out.stride(0);
@@ -614,6 +806,12 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
     sh.ends = ends->data_ptr<int32_t>();
     sh.lanes = lanes;
   }
+  if (qrows.has_value()) {
+    TORCH_CHECK(ends.has_value() && qrows->scalar_type() == at::kInt && qrows->is_contiguous() &&
+                qrows->dim() == 1 && qrows->size(0) == tokens.size(0),
+                "paged_decode: qrows is int32 [R], and needs ends");
+    sh.qrows = qrows->data_ptr<int32_t>();
+  }
   const int64_t num_rows = tokens.size(0), num_blocks = k_cache.size(0), num_tokens = query.size(0);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -625,6 +823,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
     const int64_t used = (len + sh.block_size - 1) / sh.block_size;
     TORCH_CHECK(len >= 1 && used <= sh.max_blocks, "paged_decode: row ", r, " has bad length ", len);
     TORCH_CHECK(sh.ends == nullptr || sh.ends[r] >= len, "paged_decode: row ", r, " ends before its length");
+    TORCH_CHECK(sh.qrows == nullptr || sh.qrows[r] >= 0, "paged_decode: row ", r, " has negative query rows");
     for (int64_t b = 0; b < used; ++b) {
       const int32_t blk = tables[r * sh.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");

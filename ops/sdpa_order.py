@@ -1,0 +1,64 @@
+"""Whether the CPU kernel can give transformers' bfloat16 attention bit for bit by adding its two products
+(q.k and the weighted values) in the order of the BLAS that torch's flash attention calls.
+
+transformers' bfloat16 SDPA on a CPU runs torch's flash-attention kernel, which takes both products from
+MKL's bfloat16 GEMM. The order in which that GEMM adds its float32 terms is MKL's own and depends on the CPU
+(the kernel follows the one read from MKL's AVX2 path: pagedserve_kernels/cpu/paged_decode.cpp). Checked
+once per process, on random attention in a paged pool against SDPA as transformers calls it: decode rows
+past one and two blocks of 512 keys, and the rows of prompts whose calls take each shape of product."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16   # SmolLM2's attention
+
+# (queries, keys): decode rows, and prompts whose query blocks are of one to three rows, of under twelve
+# keys, and of 32 rows
+CHECK_CASES = ((1, 5), (1, 150), (1, 600), (1, 1030), (7, 7), (34, 34), (35, 35), (51, 51), (96, 96))
+
+
+def sdpa_case(queries: int, keys: int, seed: int) -> tuple[tuple, torch.Tensor]:
+    """Random bfloat16 attention of `queries` query tokens (the last ones, causal) over `keys` keys in a paged
+    pool: the arguments of ops.attention.paged_attention (before `backend`), and transformers' result for it
+    (SDPA over the same keys, the KV heads repeated as transformers repeats them)."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(keys, KV_HEADS, DIM, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(queries, HEADS, DIM, generator=gen).to(torch.bfloat16)
+    blocks = -(-keys // BLOCK)
+    k_cache, v_cache = (torch.zeros(blocks * BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(2))
+    k_cache[:keys], v_cache[:keys] = k, v
+    shape = (blocks, BLOCK, KV_HEADS, DIM)
+    args = (q, k_cache.view(shape), v_cache.view(shape), torch.arange(blocks, dtype=torch.int32)[None],
+            torch.tensor([keys], dtype=torch.int32), torch.tensor([0, queries], dtype=torch.int32), DIM ** -0.5,
+            queries)
+    group = HEADS // KV_HEADS
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(group, 0)[None],
+        v.transpose(0, 1).repeat_interleave(group, 0)[None], scale=DIM ** -0.5,
+        is_causal=queries > 1)[0].transpose(0, 1)
+    return args, sdpa
+
+
+def kernel_attention(kernel, args: tuple, lanes: int, mkl_order: bool) -> torch.Tensor:
+    """The kernel's rows for a case of sdpa_case, in torch's SDPA steps (`lanes`), the products in MKL's
+    order or in the kernel's own."""
+    from ops.attention import kernel_rows
+    query, k_cache, v_cache, tables, seq_lens, starts, scale, _ = args
+    rows = kernel_rows(starts, seq_lens, tables)
+    out = torch.empty_like(query)
+    kernel.paged_decode(out, query, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, float(scale), 0, 0.0,
+                        None, None, 0, rows.ends, lanes, rows.qrows if mkl_order else None)
+    return out
+
+
+@functools.cache
+def mkl_order_matches(kernel, lanes: int) -> bool:
+    """True when the kernel's rows with the products in MKL's order equal SDPA's on every check case."""
+    for queries, keys in CHECK_CASES:
+        args, expected = sdpa_case(queries, keys, seed=keys)
+        if not torch.equal(kernel_attention(kernel, args, lanes, True), expected):
+            return False
+    return True
