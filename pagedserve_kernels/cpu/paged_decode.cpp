@@ -173,7 +173,6 @@ struct Shape {
   // and, where given, per row the query rows of torch's call that computes it (1 for a decode row):
   // then q.k and the weighted values add in the order of MKL's product (see mkl_scores)
   const int32_t* qrows = nullptr;
-  int64_t max_pool_rows = 0;      // blocks * block_size of the pool
 };
 
 // the first position a query at `last` sees: within its window and its chunk
@@ -505,33 +504,58 @@ void chains4_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, con
   }
 }
 
+// the 16 x 16 matrix of 32-bit words r[row][column] transposed in place: r[column][row]
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {   // within each 128-bit lane: rows 2k, 2k + 1 interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {       // u[4g + c], lane L: column 4L + c of rows 4g .. 4g + 3
+    r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {       // the 128-bit lanes of u[c], u[4 + c], u[8 + c], u[12 + c] transposed
+    const __m512i ab_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), ab_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
 // scores[c * len + p] = <q_c, k_p> summed over the dimensions in order, for bfloat16 keys of [p0, p1): sixteen
-// keys at a time, one per lane, each pair of dimensions gathered as one 32-bit word. Returns where it
-// stopped (p0 for float32 keys, or a pool too large for 32-bit offsets): the rest is the caller's.
+// keys at a time, one per lane, their rows' 32-bit words (pairs of dimensions) transposed 16 at a time.
+// Returns where it stopped (p0 for float32 keys or an odd NV: the rest is the caller's).
 template <int NV, int C, typename T>
 int64_t seq_scores_bf16(const Shape& sh, const float (&qf)[C][16 * NV], const T* kc, const int32_t* table,
                         int64_t h, int64_t p0, int64_t p1, int64_t len, float* scores) {
-  if constexpr (!std::is_same<T, pagedserve::bf16>::value) {
+  if constexpr (!std::is_same<T, pagedserve::bf16>::value || NV % 2 != 0) {
     return p0;
   } else {
-    const int64_t pool = static_cast<int64_t>(sh.max_pool_rows) * sh.slot_stride;
-    if (pool >= (int64_t{1} << 31)) return p0;
     const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int64_t p = p0; p < p1; p += 16) {
       const int64_t n = std::min<int64_t>(16, p1 - p);
-      alignas(64) int32_t offset[16];
-      for (int64_t i = 0; i < 16; ++i)
-        offset[i] = static_cast<int32_t>(position_row(sh, kc, table, p + std::min(i, n - 1), h) - kc);
-      const __m512i base = _mm512_load_si512(offset);
+      const T* rows[16];
+      for (int64_t i = 0; i < 16; ++i) rows[i] = position_row(sh, kc, table, p + std::min(i, n - 1), h);
       __m512 acc[C];
       for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-      for (int t = 0; t < 8 * NV; ++t) {
-        const __m512i pair = _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(2 * t)), kc, 2);
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));
-        for (int c = 0; c < C; ++c) {
-          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][2 * t]), even, acc[c]);
-          acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][2 * t + 1]), odd, acc[c]);
+      for (int half = 0; half < NV / 2; ++half) {   // 32 dimensions: 16 words of every row
+        __m512i words[16];
+        for (int i = 0; i < 16; ++i) words[i] = _mm512_loadu_si512(rows[i] + 32 * half);
+        transpose16(words);
+        for (int j = 0; j < 16; ++j) {
+          const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(words[j], 16));
+          const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(words[j], high));
+          for (int c = 0; c < C; ++c) {
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][32 * half + 2 * j]), even, acc[c]);
+            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][32 * half + 2 * j + 1]), odd, acc[c]);
+          }
         }
       }
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
@@ -788,7 +812,6 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   sh.group = query.size(1) / sh.kv_heads;
   sh.max_blocks = block_tables.size(1);
   sh.slot_stride = sh.kv_heads * sh.head_dim;
-  sh.max_pool_rows = k_cache.size(0) * k_cache.size(1);
   sh.q_tok = query.stride(0);
   sh.q_head = query.stride(1);
   sh.o_tok = out.stride(0);
