@@ -173,6 +173,7 @@ struct Shape {
   // and, where given, per row the query rows of torch's call that computes it (1 for a decode row):
   // then q.k and the weighted values add in the order of MKL's product (see mkl_scores)
   const int32_t* qrows = nullptr;
+  int block_shift = -1;           // log2(block_size) where that is a power of two
 };
 
 // the first position a query at `last` sees: within its window and its chunk
@@ -455,52 +456,67 @@ inline float dot_chains(const float* q, const T* k, int64_t D, int chains) {
 // the row of position p of head h in `cache`
 template <typename T>
 inline const T* position_row(const Shape& sh, const T* cache, const int32_t* table, int64_t p, int64_t h) {
-  return cache + (static_cast<int64_t>(table[p / sh.block_size]) * sh.block_size + p % sh.block_size) * sh.slot_stride +
-         h * sh.head_dim;
+  // (a shift and a mask where the block size is a power of two: a division per key costs as much as its reads)
+  const int64_t block = sh.block_shift >= 0 ? p >> sh.block_shift : p / sh.block_size;
+  const int64_t slot = sh.block_shift >= 0 ? p & (sh.block_size - 1) : p % sh.block_size;
+  return cache + (static_cast<int64_t>(table[block]) * sh.block_size + slot) * sh.slot_stride + h * sh.head_dim;
 }
 
 #ifdef PAGEDSERVE_AVX512
-// scores[c * len + p] = <q_c, k_p> for keys p of [p0, p1), in MKL's chains of four. Four keys at a time:
-// their rows' 128-bit quarters transposed, so that quarter u of vector v of every key sits in slot key of
-// one register, and each of its four lanes carries one chain (d mod 4) of that key.
+// quarter u of query vector v of each head, broadcast to four slots (see chains4_group)
+template <int NV, int C>
+struct QuarterQueries {
+  __m512 q[C][NV][4];
+  explicit QuarterQueries(const __m512 (&qv)[C][NV]) {
+    for (int c = 0; c < C; ++c)
+      for (int v = 0; v < NV; ++v) {
+        q[c][v][0] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0x00);
+        q[c][v][1] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0x55);
+        q[c][v][2] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0xAA);
+        q[c][v][3] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0xFF);
+      }
+  }
+};
+
+// out[c * stride + i] = <q_c, k_i> for the first n (1..4) of four key rows, in MKL's chains of four: the rows'
+// 128-bit quarters transposed, so that quarter u of vector v of every key sits in that key's slot of one
+// register, each of the slot's four lanes carrying one chain (d mod 4) of the key
 template <int NV, int C, typename T>
-void chains4_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const int32_t* table, int64_t h,
-                    int64_t p0, int64_t p1, int64_t len, float* scores) {
-  // quarter u of query vector v, broadcast to the four slots
-  __m512 qb[C][NV][4];
-  for (int c = 0; c < C; ++c)
-    for (int v = 0; v < NV; ++v) {
-      qb[c][v][0] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0x00);
-      qb[c][v][1] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0x55);
-      qb[c][v][2] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0xAA);
-      qb[c][v][3] = _mm512_shuffle_f32x4(qv[c][v], qv[c][v], 0xFF);
-    }
+inline void chains4_group(const QuarterQueries<NV, C>& qb, const T* const (&rows)[4], int64_t n, float* out,
+                          int64_t stride) {
   const __m512i firsts = _mm512_set_epi32(15, 14, 13, 11, 10, 9, 7, 6, 5, 3, 2, 1, 12, 8, 4, 0);
+  __m512 x[NV][4];
+  for (int v = 0; v < NV; ++v) {
+    const __m512 a = pagedserve::load16(rows[0] + 16 * v), b = pagedserve::load16(rows[1] + 16 * v);
+    const __m512 c = pagedserve::load16(rows[2] + 16 * v), d = pagedserve::load16(rows[3] + 16 * v);
+    const __m512 ab_lo = _mm512_shuffle_f32x4(a, b, 0x44), ab_hi = _mm512_shuffle_f32x4(a, b, 0xEE);
+    const __m512 cd_lo = _mm512_shuffle_f32x4(c, d, 0x44), cd_hi = _mm512_shuffle_f32x4(c, d, 0xEE);
+    x[v][0] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
+    x[v][1] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
+    x[v][2] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
+    x[v][3] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int c = 0; c < C; ++c) {
+    __m512 acc = _mm512_mul_ps(qb.q[c][0][0], x[0][0]);
+    for (int v = 0; v < NV; ++v)
+      for (int u = (v == 0 ? 1 : 0); u < 4; ++u) acc = _mm512_fmadd_ps(qb.q[c][v][u], x[v][u], acc);
+    const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));      // (0 + 2), (1 + 3)
+    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));   // their sum in lane 0
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, sums)));
+    for (int64_t i = 0; i < n; ++i) out[c * stride + i] = four[i];
+  }
+}
+
+// chains of four for keys [p0, p1) (prompt rows: short contexts, just written)
+template <int NV, int C, typename T>
+void chains4_scores(const Shape& sh, const QuarterQueries<NV, C>& qb, const T* kc, const int32_t* table, int64_t h,
+                    int64_t p0, int64_t p1, int64_t len, float* scores) {
   for (int64_t p = p0; p < p1; p += 4) {
     const int64_t n = std::min<int64_t>(4, p1 - p);
     const T* rows[4];
     for (int64_t i = 0; i < 4; ++i) rows[i] = position_row(sh, kc, table, p + std::min(i, n - 1), h);
-    if (p + sh.block_size < p1) __builtin_prefetch(position_row(sh, kc, table, p + sh.block_size, h), 0, 2);
-    __m512 x[NV][4];
-    for (int v = 0; v < NV; ++v) {
-      const __m512 a = pagedserve::load16(rows[0] + 16 * v), b = pagedserve::load16(rows[1] + 16 * v);
-      const __m512 c = pagedserve::load16(rows[2] + 16 * v), d = pagedserve::load16(rows[3] + 16 * v);
-      const __m512 ab_lo = _mm512_shuffle_f32x4(a, b, 0x44), ab_hi = _mm512_shuffle_f32x4(a, b, 0xEE);
-      const __m512 cd_lo = _mm512_shuffle_f32x4(c, d, 0x44), cd_hi = _mm512_shuffle_f32x4(c, d, 0xEE);
-      x[v][0] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
-      x[v][1] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
-      x[v][2] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
-      x[v][3] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
-    }
-    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
-    for (int c = 0; c < C; ++c) {
-      __m512 acc = _mm512_mul_ps(qb[c][0][0], x[0][0]);
-      for (int v = 0; v < NV; ++v)
-        for (int u = (v == 0 ? 1 : 0); u < 4; ++u) acc = _mm512_fmadd_ps(qb[c][v][u], x[v][u], acc);
-      const __m512 pairs = _mm512_add_ps(acc, _mm512_permute_ps(acc, 0x4E));      // (0 + 2), (1 + 3)
-      const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));   // their sum in lane 0
-      _mm512_mask_storeu_ps(scores + c * len + p, keep, _mm512_permutexvar_ps(firsts, sums));
-    }
+    chains4_group<NV, C, T>(qb, rows, n, scores + p, len);
   }
 }
 
@@ -585,7 +601,7 @@ void mkl_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const i
       continue;
     }
     const int64_t fours = qrows == 1 ? stop : std::min(stop, b0 + m - m % 4);
-    chains4_scores<NV, C, T>(sh, qv, kc, table, h, b0, fours, len, scores);
+    chains4_scores<NV, C, T>(sh, QuarterQueries<NV, C>(qv), kc, table, h, b0, fours, len, scores);
     for (int64_t p = fours; p < stop; ++p) {
       const T* k = position_row(sh, kc, table, p, h);
       for (int c = 0; c < C; ++c) scores[c * len + p] = dot_chains(qf[c], k, D, 8);
@@ -593,40 +609,18 @@ void mkl_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const i
   }
 }
 
-// acc[c] += the weighted value rows of a decode row (a call of one query row) in MKL's order: per block
-// of kSdpaBlock keys (an earlier block's sums rescaled first), groups of four keys added as
-// (0 + 2) + (1 + 3), then the block's last keys one by one from its last
+// acc[c] += the weighted value rows of four keys at scores[c * stride + i] as MKL adds them for a decode row
+// (a call of one query row): (0 + 2) + (1 + 3), then to the running sum
 template <int NV, int C, typename T>
-void mkl_values_one_row(const Shape& sh, const T* vc, const int32_t* table, int64_t h, int64_t len,
-                        const float* scores, const float* rescale, int64_t blocks, __m512 (&acc)[C][NV]) {
-  for (int64_t b0 = 0; b0 < len; b0 += kSdpaBlock) {
-    if (b0 > 0)
-      for (int c = 0; c < C; ++c) {
-        const __m512 factor = _mm512_set1_ps(rescale[c * blocks + b0 / kSdpaBlock]);
-        for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
-      }
-    const int64_t stop = std::min(len, b0 + kSdpaBlock), fours = stop - (stop - b0) % 4;
-    for (int64_t p = b0; p < fours; p += 4) {
-      const T* rows[4];
-      for (int64_t i = 0; i < 4; ++i) rows[i] = position_row(sh, vc, table, p + i, h);
-      if (p + sh.block_size < stop) __builtin_prefetch(position_row(sh, vc, table, p + sh.block_size, h), 0, 2);
-      for (int v = 0; v < NV; ++v) {
-        const __m512 r0 = pagedserve::load16(rows[0] + 16 * v), r1 = pagedserve::load16(rows[1] + 16 * v);
-        const __m512 r2 = pagedserve::load16(rows[2] + 16 * v), r3 = pagedserve::load16(rows[3] + 16 * v);
-        for (int c = 0; c < C; ++c) {
-          const float* w = scores + c * len + p;
-          const __m512 even = _mm512_fmadd_ps(_mm512_set1_ps(w[2]), r2, _mm512_mul_ps(_mm512_set1_ps(w[0]), r0));
-          const __m512 odd = _mm512_fmadd_ps(_mm512_set1_ps(w[3]), r3, _mm512_mul_ps(_mm512_set1_ps(w[1]), r1));
-          acc[c][v] = _mm512_add_ps(acc[c][v], _mm512_add_ps(even, odd));
-        }
-      }
-    }
-    for (int64_t p = stop - 1; p >= fours; --p) {
-      const T* row = position_row(sh, vc, table, p, h);
-      for (int v = 0; v < NV; ++v) {
-        const __m512 r = pagedserve::load16(row + 16 * v);
-        for (int c = 0; c < C; ++c) acc[c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + p]), r, acc[c][v]);
-      }
+inline void values4_group(const T* const (&rows)[4], const float* w, int64_t stride, __m512 (&acc)[C][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const __m512 r0 = pagedserve::load16(rows[0] + 16 * v), r1 = pagedserve::load16(rows[1] + 16 * v);
+    const __m512 r2 = pagedserve::load16(rows[2] + 16 * v), r3 = pagedserve::load16(rows[3] + 16 * v);
+    for (int c = 0; c < C; ++c) {
+      const float* wc = w + c * stride;
+      const __m512 even = _mm512_fmadd_ps(_mm512_set1_ps(wc[2]), r2, _mm512_mul_ps(_mm512_set1_ps(wc[0]), r0));
+      const __m512 odd = _mm512_fmadd_ps(_mm512_set1_ps(wc[3]), r3, _mm512_mul_ps(_mm512_set1_ps(wc[1]), r1));
+      acc[c][v] = _mm512_add_ps(acc[c][v], _mm512_add_ps(even, odd));
     }
   }
 }
@@ -651,8 +645,20 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   }
   // scores[c * len + p] = <scale * q_c, k_p>
   const bool mkl = sdpa && qrows > 0;
-  if (mkl) mkl_scores<NV, C, T>(sh, qv, kc, table, h, len, end, qrows, scores);
-  else walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+  const T* group[4];   // MKL's order for a decode row: keys four at a time, as the walk (and its prefetch) goes
+  if (mkl && qrows == 1) {
+    const QuarterQueries<NV, C> qb(qv);
+    walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+      group[p % 4] = row + h * sh.head_dim;
+      if (p % 4 == 3) chains4_group<NV, C, T>(qb, group, 4, scores + p - 3, len);
+    }, h * sh.head_dim, sh.head_dim);
+    if (len % 4 != 0) {
+      for (int64_t i = len % 4; i < 4; ++i) group[i] = group[len % 4 - 1];
+      chains4_group<NV, C, T>(qb, group, len % 4, scores + len - len % 4, len);
+    }
+  } else if (mkl) {
+    mkl_scores<NV, C, T>(sh, qv, kc, table, h, len, end, qrows, scores);
+  } else walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     const T* k = row + h * sh.head_dim;
     __m512 kv[NV];
     for (int v = 0; v < NV; ++v) kv[v] = pagedserve::load16(k + 16 * v);
@@ -670,8 +676,30 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   __m512 acc[C][NV];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
-  if (mkl && qrows == 1) mkl_values_one_row<NV, C, T>(sh, vc, table, h, len, scores, rescale, blocks, acc);
-  else walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+  if (mkl && qrows == 1) {
+    // MKL's order for a decode row: per block of kSdpaBlock keys, groups of four, then the block's last
+    // keys one by one from its last (only the last block has any)
+    const int64_t tail_from = len - (len % kSdpaBlock) % 4;
+    const T* tail[4];
+    walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+      if (p > 0 && p % kSdpaBlock == 0)
+        for (int c = 0; c < C; ++c) {
+          const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
+          for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
+        }
+      if (p >= tail_from) {
+        tail[p - tail_from] = row + h * sh.head_dim;
+        return;
+      }
+      group[p % 4] = row + h * sh.head_dim;
+      if (p % 4 == 3) values4_group<NV, C, T>(group, scores + p - 3, len, acc);
+    }, h * sh.head_dim, sh.head_dim);
+    for (int64_t p = len - 1; p >= tail_from; --p)
+      for (int v = 0; v < NV; ++v) {
+        const __m512 r = pagedserve::load16(tail[p - tail_from] + 16 * v);
+        for (int c = 0; c < C; ++c) acc[c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + p]), r, acc[c][v]);
+      }
+  } else walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
       for (int c = 0; c < C; ++c) {
         const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
@@ -812,6 +840,8 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   sh.group = query.size(1) / sh.kv_heads;
   sh.max_blocks = block_tables.size(1);
   sh.slot_stride = sh.kv_heads * sh.head_dim;
+  if ((sh.block_size & (sh.block_size - 1)) == 0)
+    for (sh.block_shift = 0; (int64_t{1} << sh.block_shift) < sh.block_size; ++sh.block_shift) {}
   sh.q_tok = query.stride(0);
   sh.q_head = query.stride(1);
   sh.o_tok = out.stride(0);
