@@ -201,8 +201,8 @@ class KernelRows:
     tables: torch.Tensor    # int32 [R, max_blocks]: the block table of row r's sequence
     lens: torch.Tensor      # int32 [R]: the positions row r attends to, its own included
     rest: list[int]         # sequences whose query runs are longer: the reference's
-    # int32 [R]: the context of row r's sequence after the step: the keys of the one call in which
-    # transformers computes that row (a prompt's rows in one call over the prompt, a decode row alone)
+    # int32 [R]: the keys of the one call in which transformers computes row r (a prompt's rows in one call
+    # over the prompt, a later token alone over its context; see kernel_rows)
     ends: torch.Tensor | None = None
     # int32 [R]: the query rows of that call's block in which torch's flash attention computes row r (1 for a
     # decode row): the shape of the two products whose order the kernel can follow (Backend.mkl_order)

@@ -170,8 +170,8 @@ struct Shape {
   // bfloat16 in torch's SDPA order (see below): per row the keys of transformers' call, and torch's lanes
   const int32_t* ends = nullptr;
   int64_t lanes = 0;              // 0: this kernel's own order
-  // and, where given, per row the query rows of torch's call that computes it (1 for a decode row):
-  // then q.k and the weighted values add in the order of MKL's product (see mkl_scores)
+  // and, where given, per row the query rows of torch's call that computes it (1 for a decode row; 0: this
+  // kernel's order for that row): then q.k and the weighted values add in the order of MKL's product
   const int32_t* qrows = nullptr;
   int block_shift = -1;           // log2(block_size) where that is a power of two
 };
