@@ -233,14 +233,10 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
 
 
 def decode_rows(row_ids: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                prompt_lens: torch.Tensor | None = None) -> KernelRows:
+                prompt_lens: torch.Tensor) -> KernelRows:
     """The kernel's rows for a step of one new token per sequence, row r that of sequence r (`row_ids`:
     0 .. R - 1); `prompt_lens` as for kernel_rows (a prompt's last token may come alone)."""
-    if prompt_lens is None:
-        ends, qrows = seq_lens, torch.ones_like(seq_lens)
-    else:
-        ends, qrows = transformers_calls(seq_lens.long() - 1, prompt_lens.long())
-    return KernelRows(row_ids, block_tables, seq_lens, [], ends, qrows)
+    return KernelRows(row_ids, block_tables, seq_lens, [], *transformers_calls(seq_lens.long() - 1, prompt_lens.long()))
 
 
 def transformers_calls(position: torch.Tensor, prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

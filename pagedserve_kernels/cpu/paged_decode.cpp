@@ -676,43 +676,37 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   __m512 acc[C][NV];
   for (int c = 0; c < C; ++c)
     for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_setzero_ps();
-  if (mkl && qrows == 1) {
-    // MKL's order for a decode row: per block of kSdpaBlock keys, groups of four, then the block's last
-    // keys one by one from its last (only the last block has any)
-    const int64_t tail_from = len - (len % kSdpaBlock) % 4;
-    const T* tail[4];
-    walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
-      if (p > 0 && p % kSdpaBlock == 0)
-        for (int c = 0; c < C; ++c) {
-          const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
-          for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
-        }
-      if (p >= tail_from) {
-        tail[p - tail_from] = row + h * sh.head_dim;
-        return;
-      }
-      group[p % 4] = row + h * sh.head_dim;
-      if (p % 4 == 3) values4_group<NV, C, T>(group, scores + p - 3, len, acc);
-    }, h * sh.head_dim, sh.head_dim);
-    for (int64_t p = len - 1; p >= tail_from; --p)
-      for (int v = 0; v < NV; ++v) {
-        const __m512 r = pagedserve::load16(tail[p - tail_from] + 16 * v);
-        for (int c = 0; c < C; ++c) acc[c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + p]), r, acc[c][v]);
-      }
-  } else walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
-    if (sdpa && p > 0 && p % kSdpaBlock == 0)
-      for (int c = 0; c < C; ++c) {
-        const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
-        for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
-      }
-    const T* val = row + h * sh.head_dim;
+  // acc[c] += w * v for one key, in order; with MKL's order for a decode row (one query row), per block of
+  // kSdpaBlock keys groups of four, then the block's last keys one by one from its last (only the last
+  // block has any)
+  const auto add_one = [&](int64_t p, const T* val) {
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = pagedserve::load16(val + 16 * v);
     for (int c = 0; c < C; ++c) {
       const __m512 w = _mm512_set1_ps(scores[c * len + p]);
       for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ps(w, vv[v], acc[c][v]);
     }
+  };
+  const bool fours = mkl && qrows == 1;
+  const int64_t tail_from = fours ? len - (len % kSdpaBlock) % 4 : len;
+  const T* tail[4];
+  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+    if (sdpa && p > 0 && p % kSdpaBlock == 0)
+      for (int c = 0; c < C; ++c) {
+        const __m512 factor = _mm512_set1_ps(rescale[c * blocks + p / kSdpaBlock]);
+        for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
+      }
+    const T* val = row + h * sh.head_dim;
+    if (!fours) {
+      add_one(p, val);
+    } else if (p >= tail_from) {
+      tail[p - tail_from] = val;
+    } else {
+      group[p % 4] = val;
+      if (p % 4 == 3) values4_group<NV, C, T>(group, scores + p - 3, len, acc);
+    }
   }, h * sh.head_dim, sh.head_dim);
+  for (int64_t p = len - 1; p >= tail_from; --p) add_one(p, tail[p - tail_from]);
   for (int c = 0; c < C; ++c) {
     T* oc = o + tok * sh.o_tok + (h * sh.group + j0 + c) * sh.o_head;
     const __m512 inv = _mm512_set1_ps(inv_sum[c]);
