@@ -2,9 +2,10 @@
 
     python bench/bf16_agreement.py                      # exp64's first 16 requests
     python bench/bf16_agreement.py --requests 16 --explain 4,0
+    python bench/bf16_agreement.py --workload sharegpt    # the throughput bench's sharegpt trace, 64 requests
 
 The data plane's runner in this process, played by tests/control_loop.py (no HTTP, no ZeroMQ), on the
-throughput bench's exp64 trace, greedy:
+throughput bench's 64-request trace (exp64 or sharegpt, its defaults), greedy:
 1. tokens to the first divergence from transformers' greedy `generate` (one request at a time), with the
    runner given one request at a time and all 64 at once: whether batching changes a request's tokens;
 2. for each request of --explain: the prompt through the lean forward and through transformers, layer by
@@ -21,7 +22,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
-from throughput import exp64_trace, first_divergence, reference  # noqa: E402
+from throughput import VOCAB_SIZE, exp64_trace, first_divergence, reference  # noqa: E402
 
 
 def differs(name: str, ours, theirs) -> None:
@@ -101,13 +102,16 @@ def explain(runner, hf, prompt: list[int]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=16, help="exp64's first this many requests")
+    ap.add_argument("--workload", choices=("exp64", "sharegpt"), default="exp64")
+    ap.add_argument("--requests", type=int, default=16, help="the trace's first this many requests")
     ap.add_argument("--explain", default="", help="requests (indices) whose first difference to look into")
     ap.add_argument("--num-threads", type=int, default=2)
     args = ap.parse_args(argv)
     import torch
     print(C.machine_line(args.num_threads))
-    trace = exp64_trace(64, 0)
+    # as bench/throughput.py makes them with its defaults (seed 0, prompts up to 256, outputs up to 512 tokens)
+    trace = exp64_trace(64, 0) if args.workload == "exp64" else \
+        C.make_trace(64, 0, VOCAB_SIZE, args.workload, (C.PROMPT_RANGE[0], 256), (C.OUTPUT_RANGE[0], 512))
     hf = C.load_hf_model(args.num_threads, device="cpu").to(torch.bfloat16)
     ref = reference(hf, trace[:args.requests])
     runner = C.default_runner(args.num_threads, "inproc://bf16-agreement", "bfloat16")

@@ -51,6 +51,9 @@ class StepContext:
     kernel_rows: KernelRows | None = None
     # the ops' implementation, chosen by the runner at start (None: each call chooses, outside a runner)
     backend: Backend | None = None
+    # bool [tokens]: the tokens that transformers computes in a call of one row (generated tokens, prompts of
+    # one token), whose bfloat16 products sum in other chunks (ops/linear.RoutedLinear.route); None: none
+    one_row: torch.Tensor | None = None
     # the state layers' part of the step (data_plane/state_pool.py), for a model that has them
     state: "StateStep | None" = None
     # model layer index -> its slab of kv_pool, for a model with state layers (which have no slab:

@@ -175,7 +175,7 @@ class LlamaForward:
         tokens = residual.shape[0]
         routes = self._routes(tokens)
         caches = self._caches(ctx.kv_pool)
-        rows = ctx.kernel_rows
+        rows, one_row = ctx.kernel_rows, ctx.one_row
         # the attention in two calls (rotary_store, paged_decode) when the kernel takes every query row
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
@@ -183,7 +183,7 @@ class LlamaForward:
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]
             k_cache, v_cache = caches[index]
-            qkv = qkv_of(x)
+            qkv = qkv_of(x, one_row)
             if fused:
                 q = kernel.rotary_store(qkv, layer.num_heads, layer.num_kv_heads, cos, sin, k_cache, v_cache,
                                         ctx.slot_mapping)
@@ -193,8 +193,9 @@ class LlamaForward:
                                     rows.qrows if self.mkl_order else None)
             else:
                 out = self._attention(layer, qkv, cos, sin, k_cache, v_cache, ctx)
-            x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size)), *self.post_norms[index])
-            x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x))), *self.norms[index + 1])
+            x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size), one_row), *self.post_norms[index])
+            x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x, one_row)), one_row),
+                                 *self.norms[index + 1])
         return x
 
     def _attention(self, layer: _Layer, qkv, cos, sin, k_cache, v_cache, ctx) -> torch.Tensor:

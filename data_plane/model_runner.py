@@ -333,6 +333,7 @@ class ModelRunner:
 
     def _prepare(self, scheduled):
         input_ids, positions, seq_lens, starts, rows, sample_rows, prompt_lens = [], [], [], [0], [], [], []
+        one_row = []   # per token: whether transformers computes it in a call of one row (StepContext.one_row)
         state_seqs = []
         max_blocks = 1
         bs, groups, windowed = self.block_size, self.layout.num_groups, self.layout.windowed
@@ -353,6 +354,7 @@ class ModelRunner:
                 self._check_freed(seq_id, table, begin)
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
+            one_row.extend(p >= st.num_prompt_tokens or st.num_prompt_tokens == 1 for p in range(begin, end))
             for g, group_slots in enumerate(slots):
                 group_slots.extend(table[p // bs * groups + g] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
@@ -377,6 +379,7 @@ class ModelRunner:
             seq_lens=seq_lens_t, query_start_loc=starts_t,
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend,
             kernel_rows=views[0].kernel_rows,
+            one_row=torch.tensor(one_row, dtype=torch.bool, device=dev) if self.dtype == torch.bfloat16 else None,
             state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None,
             kv_slabs=self.kv_slabs, kv_groups=self.layout.groups, groups=views if groups > 1 else None)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]

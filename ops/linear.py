@@ -126,7 +126,7 @@ class RoutedLinear:
         few_rows = self.kernel is not None and self.weight.dtype == torch.float32   # the few-row kernel
         return self.codes is not None or self.packed is not None or self.dot is not None or few_rows
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, one_row: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
@@ -134,33 +134,36 @@ class RoutedLinear:
         route = self._by_rows.get(key)
         if route is None:
             route = self._by_rows[key] = self.route(key)
-        out = route(x.reshape(rows, x.shape[-1]).contiguous())
+        out = route(x.reshape(rows, x.shape[-1]).contiguous(), one_row)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def route(self, rows: int):
-        """The function that computes y [rows, N] from a contiguous x [rows, K] of the weight's type
-        (gradients off) for this row count: the same route as a call, chosen once so that a forward
-        calling every layer with the same rows skips the choice (llama_forward.py)."""
+        """The function f(x, one_row=None) that computes y [rows, N] from a contiguous x [rows, K] of the
+        weight's type (gradients off) for this row count: the same route as a call, chosen once so that a
+        forward calling every layer with the same rows skips the choice (llama_forward.py). `one_row`
+        (bool [rows]): the rows that transformers computes in a call of one row, a generated token's;
+        oneDNN's bfloat16 GEMM sums those in other chunks (pagedserve_kernels/cpu/simd.h), which the
+        AVX512-BF16 kernels follow. The other routes take every row as they take a call's."""
         weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
         if weight.dtype == torch.bfloat16:
             if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
                 few = codes.product(kernel)
-                return lambda x: few(x, codes.codes, codes.scales, codes.mins)
+                return lambda x, one_row=None: few(x, codes.codes, codes.scales, codes.mins, one_row)
             if self.dot is not None:
                 dot = self.dot
-                return lambda x: kernel.bf16_linear(x, dot)
+                return lambda x, one_row=None: kernel.bf16_linear(x, dot, one_row)
             if self.packed is not None:
                 packed = self.packed
-                return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            return lambda x: F.linear(x, weight, bias)
+                return lambda x, one_row=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return lambda x, one_row=None: F.linear(x, weight, bias)
         if codes is not None:
-            return lambda x: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
+            return lambda x, one_row=None: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
         if kernel is not None and rows <= self.skinny_max_rows:
-            return lambda x: kernel.skinny_linear(x, weight)
+            return lambda x, one_row=None: kernel.skinny_linear(x, weight)
         if self.packed is not None:
             packed = self.packed
-            return lambda x: _packed_gemm(x, packed, weight, bias, x.shape[0])
-        return lambda x: F.linear(x, weight, bias)
+            return lambda x, one_row=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
+        return lambda x, one_row=None: F.linear(x, weight, bias)
 
 
 def routed_in(model: torch.nn.Module) -> list[RoutedLinear]:

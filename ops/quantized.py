@@ -46,7 +46,7 @@ class Codes:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
     def product(self, kernel):
-        """The kernel's function that reads these codes: f(x, codes, scales, mins)."""
+        """The kernel's function that reads these codes: f(x, codes, scales, mins, one_row=None)."""
         return kernel.coded_pairs_linear if self.paired else kernel.coded_linear
 
     def linear(self, kernel, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 //
 // Each product of two bfloat16 values is exact in float32 and the sums are float32 in oneDNN's order
 // (pagedserve::onednn_bf16_chunk: chunks of 512 or 1024 inputs, each over its pairs front to back,
-// then the chunks' sums): y, rounded to bfloat16 once, to nearest even, is `F.linear`'s bit for bit.
+// then the chunks' sums; a row marked as of a one-row call in chunks of 512): y, rounded to bfloat16
+// once, to nearest even, is `F.linear`'s bit for bit.
 //
 // Layout (bf16_pack): output rows in groups of 16; for group g and input pair (2j, 2j + 1), 32 values,
 // lane l holding (W[16g + l, 2j], W[16g + l, 2j + 1]): one 64-byte load feeds one VDPBF16PS for 16
@@ -28,22 +29,29 @@ constexpr int64_t kTileRows = 6;
 using pagedserve::bf16;
 
 // y[m0 .. m0 + R, 16 n0g .. 16 (n0g + V)) from groups [n0g, n0g + V) of the packed weight, in oneDNN's
-// order (simd.h): the registers sum one chunk of inputs from zero; the chunks before it wait in `done`
+// order (simd.h): the registers sum one chunk of inputs from zero; the chunks before it wait in `done`.
+// one_row (or nullptr): the rows summed as a one-row call sums them, whose chunks end more often.
 template <int R, int V>
-void tile(const bf16* x, const bf16* w, bf16* y, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
+void tile(const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
   __m512 acc[R][V];
   alignas(64) float done[R][V][kGroup];
-  const int64_t pairs = K / 2, chunk = pagedserve::onednn_bf16_chunk(K) / 2;
+  bool started[R] = {};   // whether `done` holds a chunk yet
+  const int64_t pairs = K / 2, step = pagedserve::kOneRowChunk / 2;
   const bf16* wg = w + n0g * pairs * 2 * kGroup;
   const bf16* xr = x + m0 * K;
-  for (int64_t j0 = 0; j0 < pairs; j0 += chunk) {
-    for (int i = 0; i < R; ++i)
+  const bool* ones = one_row != nullptr ? one_row + m0 : nullptr;
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < pairs; j0 += step) {
+    for (int i = 0; i < R; ++i) {
+      if (j0 == 0 || !pagedserve::chunk_ends(j0, K, ones, i)) continue;
       for (int v = 0; v < V; ++v) {
-        if (j0 == chunk) _mm512_store_ps(done[i][v], acc[i][v]);
-        else if (j0 > chunk) _mm512_store_ps(done[i][v], _mm512_add_ps(_mm512_load_ps(done[i][v]), acc[i][v]));
+        _mm512_store_ps(done[i][v], started[i] ? _mm512_add_ps(_mm512_load_ps(done[i][v]), acc[i][v]) : acc[i][v]);
         acc[i][v] = _mm512_setzero_ps();
       }
-    for (int64_t j = j0, j1 = std::min(pairs, j0 + chunk); j < j1; ++j) {
+      started[i] = true;
+    }
+    for (int64_t j = j0, j1 = std::min(pairs, j0 + step); j < j1; ++j) {
       __m512bh wv[V];
       for (int v = 0; v < V; ++v)
         wv[v] = (__m512bh)_mm512_loadu_si512(wg + (v * pairs + j) * 2 * kGroup);
@@ -57,20 +65,21 @@ void tile(const bf16* x, const bf16* w, bf16* y, int64_t m0, int64_t n0g, int64_
   }
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) {
-      if (pairs > chunk) acc[i][v] = _mm512_add_ps(_mm512_load_ps(done[i][v]), acc[i][v]);
+      if (started[i]) acc[i][v] = _mm512_add_ps(_mm512_load_ps(done[i][v]), acc[i][v]);
       pagedserve::store16(y + (m0 + i) * N + (n0g + v) * kGroup, acc[i][v]);
     }
 }
 
 template <int V>
-void tile_rows(int64_t rows, const bf16* x, const bf16* w, bf16* y, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
+void tile_rows(int64_t rows, const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0, int64_t n0g,
+               int64_t K, int64_t N) {
   switch (rows) {
-    case 1: tile<1, V>(x, w, y, m0, n0g, K, N); break;
-    case 2: tile<2, V>(x, w, y, m0, n0g, K, N); break;
-    case 3: tile<3, V>(x, w, y, m0, n0g, K, N); break;
-    case 4: tile<4, V>(x, w, y, m0, n0g, K, N); break;
-    case 5: tile<5, V>(x, w, y, m0, n0g, K, N); break;
-    default: tile<kTileRows, V>(x, w, y, m0, n0g, K, N); break;
+    case 1: tile<1, V>(x, w, y, one_row, m0, n0g, K, N); break;
+    case 2: tile<2, V>(x, w, y, one_row, m0, n0g, K, N); break;
+    case 3: tile<3, V>(x, w, y, one_row, m0, n0g, K, N); break;
+    case 4: tile<4, V>(x, w, y, one_row, m0, n0g, K, N); break;
+    case 5: tile<5, V>(x, w, y, one_row, m0, n0g, K, N); break;
+    default: tile<kTileRows, V>(x, w, y, one_row, m0, n0g, K, N); break;
   }
 }
 #endif
@@ -93,13 +102,14 @@ at::Tensor bf16_pack(at::Tensor w) {
   return w.view({N / kGroup, kGroup, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row) {
   TORCH_CHECK(has_bf16_dot(), "bf16_linear: this build has no AVX512-BF16 dot product");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "bf16_linear: x [M, K] bfloat16");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
               packed.size(2) == kGroup && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1),
               "bf16_linear: packed W [N / 16, K / 2, 16, 2] from bf16_pack, K matching x");
   const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), N = groups * kGroup;
+  const bool* ones = pagedserve::row_flags(one_row, M, "bf16_linear");
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_BF16_DOT
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
@@ -112,10 +122,10 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed) {
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
         const int64_t rows = std::min(kTileRows, M - m0);
         switch (count) {
-          case 1: tile_rows<1>(rows, xp, wp, yp, m0, g0, K, N); break;
-          case 2: tile_rows<2>(rows, xp, wp, yp, m0, g0, K, N); break;
-          case 3: tile_rows<3>(rows, xp, wp, yp, m0, g0, K, N); break;
-          default: tile_rows<4>(rows, xp, wp, yp, m0, g0, K, N); break;
+          case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
         }
       }
     }

@@ -16,12 +16,14 @@ at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Ten
                         at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 at::Tensor silu_mul(at::Tensor gate_up);
 std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
-at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
-at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
+at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                        c10::optional<at::Tensor> one_row);
+at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                              c10::optional<at::Tensor> one_row);
 at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
 bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
-at::Tensor bf16_linear(at::Tensor x, at::Tensor packed);
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 bool has_q8_argmax();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
                                   at::Tensor absums);
@@ -54,12 +56,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
   m.def("greedy_logsumexp", &greedy_logsumexp, "per row of float32 or bfloat16 logits [R, V]: max, its first index, log-sum-exp (float32)");
   m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32 or bfloat16)");
-  m.def("coded_linear", &coded_linear, "x [M, K] . W^T with W held as Q4_1 or Q8_0 codes (ops/quantized.py); x float32, or bfloat16 with W rounded to bfloat16");
-  m.def("coded_pairs_linear", &coded_pairs_linear, "coded_linear for 1-4 bfloat16 rows, codes in pair order (Codes.paired_order); needs has_bf16_dot");
+  // one_row (bool [M], optional): the bfloat16 rows to sum as oneDNN sums a call of one row (simd.h)
+  m.def("coded_linear", &coded_linear, "x [M, K] . W^T with W held as Q4_1 or Q8_0 codes (ops/quantized.py); x float32, or bfloat16 with W rounded to bfloat16",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("mins"),
+        pybind11::arg("one_row") = pybind11::none());
+  m.def("coded_pairs_linear", &coded_pairs_linear, "coded_linear for 1-4 bfloat16 rows, codes in pair order (Codes.paired_order); needs has_bf16_dot",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("mins"),
+        pybind11::arg("one_row") = pybind11::none());
   m.def("coded_expand", &coded_expand, "the float32 weights [N, K] that Q4_1 or Q8_0 codes stand for");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has bf16_linear (the AVX512-BF16 dot product)");
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");
-  m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)");
+  m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI)");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");

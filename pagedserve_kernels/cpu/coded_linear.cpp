@@ -384,21 +384,25 @@ inline __m512bh pair_bf16(__m512 even, __m512 odd) {
 }
 
 template <int M, int G, bool Paired>
-void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64_t N) {
-  const int64_t K = w.K, chunk = pagedserve::onednn_bf16_chunk(K) / 2;
+void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, const bool* one_row, int64_t N) {
+  const int64_t K = w.K, step = pagedserve::kOneRowChunk / 2;
   __m512 acc[M][G], done[M][G];   // the sum of the current chunk of input pairs, and of the chunks before it
+  bool started[M] = {};           // whether `done` holds a chunk yet
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = _mm512_setzero_ps();
   expand_pairs<G, Paired>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
     __m512bh pair[G];
     // paired codes come out in the dot product's order: rows 0-7 from even in the low half, 8-15 from odd
     for (int v = 0; v < G; ++v) pair[v] = Paired ? _mm512_cvtne2ps_pbh(odd[v], even[v]) : pair_bf16(even[v], odd[v]);
-    if (j > 0 && j % chunk == 0)
-      for (int r = 0; r < M; ++r)
+    if (j > 0 && j % step == 0)
+      for (int r = 0; r < M; ++r) {
+        if (!pagedserve::chunk_ends(j, K, one_row, r)) continue;
         for (int v = 0; v < G; ++v) {
-          done[r][v] = j == chunk ? acc[r][v] : _mm512_add_ps(done[r][v], acc[r][v]);
+          done[r][v] = started[r] ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v];
           acc[r][v] = _mm512_setzero_ps();
         }
+        started[r] = true;
+      }
     for (int r = 0; r < M; ++r) {
       int32_t two;
       std::memcpy(&two, x + r * K + 2 * j, 4);
@@ -408,19 +412,19 @@ void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, int64
   });
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < G; ++v)
-      pagedserve::store16(y + r * N + (g + v) * kGroup, K / 2 > chunk ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
+      pagedserve::store16(y + r * N + (g + v) * kGroup, started[r] ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
 }
 
 // y [M, N] = x . W^T for bfloat16 x of 1 .. kDirectRows rows through the dot product
 template <bool Paired>
-void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y) {
+void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y, const bool* one_row) {
   const int64_t M = x.size(0), groups = y.size(1) / kGroup;
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     with_rows<kDirectRows>(M, [&](auto m) {
       direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
-        direct_group_dot<m(), G(), Paired>(w, g, xp, yp, groups * kGroup);
+        direct_group_dot<m(), G(), Paired>(w, g, xp, yp, one_row, groups * kGroup);
       });
     });
   });
@@ -454,18 +458,20 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
 
 }  // namespace
 
-at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
+at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                        c10::optional<at::Tensor> one_row) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
               "coded_linear: x [M, K] float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0);
   const Weights w = coded_weights(codes, scales, mins, K);
+  const bool* ones = pagedserve::row_flags(one_row, M, "coded_linear");
   auto y = at::empty({M, groups * kGroup}, x.options());
   if (x.scalar_type() == at::kFloat) {
     coded_rows(w, x.data_ptr<float>(), y.data_ptr<float>(), M, groups);
   } else {
 #ifdef PAGEDSERVE_CODES_BF16_DOT
     if (M >= 1 && M <= kDirectRows) {
-      dot_rows<false>(w, x, y);
+      dot_rows<false>(w, x, y, ones);
       return y;
     }
 #endif
@@ -478,14 +484,15 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
 
 // coded_linear's bfloat16 result for 1 .. 4 rows from codes in the pair order (ops/quantized.py,
 // Codes.paired_order), which spares the dot product's pairing a permutation of every pair of inputs
-at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins) {
+at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                              c10::optional<at::Tensor> one_row) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
               x.size(0) <= kDirectRows, "coded_pairs_linear: x [M, K] bfloat16, 1 <= M <= 4");
   const int64_t K = x.size(1);
   const Weights w = coded_weights(codes, scales, mins, K);
   auto y = at::empty({x.size(0), codes.size(0) * kGroup}, x.options());
 #ifdef PAGEDSERVE_CODES_BF16_DOT
-  dot_rows<true>(w, x, y);
+  dot_rows<true>(w, x, y, pagedserve::row_flags(one_row, x.size(0), "coded_pairs_linear"));
 #else
   TORCH_CHECK(false, "coded_pairs_linear: this build has no AVX512-BF16 dot product");
 #endif

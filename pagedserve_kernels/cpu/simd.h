@@ -44,9 +44,18 @@ template <typename T> inline float rounded(float x) { return to_float(from_float
 // the route of torch's `F.linear` in bfloat16; v3.12's blocking for a row-major x): K in chunks of
 // this many inputs, each chunk's float32 sum from zero over the input pairs front to back as
 // VDPBF16PS takes them, the chunks' sums added front to back in float32, one rounding at the end.
-// It does not depend on the row count or on the threads. The bfloat16 kernels sum in this order so
-// that their outputs are `F.linear`'s bit for bit.
-inline int64_t onednn_bf16_chunk(int64_t K) { return K > 1024 ? 1024 : 512; }
+// The chunks are of 512 inputs for a call of one row, whatever K; of two rows or more, of 1024 past
+// 1024 inputs. It does not depend on the threads. The bfloat16 kernels sum in this order so that
+// their outputs are `F.linear`'s bit for bit, each row as in the call that transformers makes for it
+// (a generated token's alone: `one_row` says which rows those are).
+inline int64_t onednn_bf16_chunk(int64_t K, bool one_row = false) { return K > 1024 && !one_row ? 1024 : 512; }
+constexpr int64_t kOneRowChunk = 512;   // every chunk boundary of either kind lies on a multiple of this
+
+// Whether row r's running chunk ends before input pair j (a multiple of kOneRowChunk / 2): always at a
+// boundary of the many-row chunks, and at every one for a row of a one-row call.
+inline bool chunk_ends(int64_t j, int64_t K, const bool* one_row, int64_t r) {
+  return j % (onednn_bf16_chunk(K) / 2) == 0 || (one_row != nullptr && one_row[r]);
+}
 
 }  // namespace pagedserve
 

@@ -84,6 +84,40 @@ def test_the_order_holds_whatever_the_threads_and_the_chunks(dot_route, threads)
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("inputs", [576, 1088, 1536, 3136])
+def test_rows_of_one_row_calls_sum_as_such_a_call(dot_route, inputs):
+    # oneDNN sums a call of one row in chunks of 512 inputs whatever K (of more rows, 1024 past 1024): the
+    # rows that `one_row` marks get F.linear's bits of that row alone, the others those of the whole call,
+    # through every route and in any mix
+    x, weight, codes = _cancelling(inputs, rows=9)
+    one_row = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1], dtype=torch.bool)
+    together = F.linear(x, weight)
+    want = torch.stack([F.linear(x[r:r + 1], weight)[0] if one_row[r] else together[r] for r in range(9)])
+    if inputs > 1024:   # else both kinds of call sum alike, and the flags change nothing
+        assert not torch.equal(want, together)
+    assert torch.equal(dot_route.bf16_linear(x, dot_route.bf16_pack(weight), one_row), want)
+    assert torch.equal(dot_route.bf16_linear(x, dot_route.bf16_pack(weight)), together)
+    paired = codes.paired_order()
+    for rows in range(1, linear.BF16_CODES_MAX_ROWS + 1):
+        few, flags = x[:rows].contiguous(), one_row[:rows].contiguous()
+        assert torch.equal(codes.product(dot_route)(few, codes.codes, codes.scales, codes.mins, flags), want[:rows])
+        assert torch.equal(paired.product(dot_route)(few, paired.codes, paired.scales, paired.mins, flags),
+                           want[:rows])
+    routed = linear.RoutedLinear(weight, None, dot_route, packed=True, codes=codes)
+    with torch.no_grad():
+        for rows in (1, 3, 9):
+            assert torch.equal(routed(x[:rows], one_row[:rows].contiguous()), want[:rows]), rows
+
+
+def test_one_row_flags_are_checked(kernel):
+    if not kernel.has_bf16_dot():
+        pytest.skip("no AVX512-BF16 in this build")
+    x, packed = torch.zeros(3, 64, dtype=torch.bfloat16), kernel.bf16_pack(torch.zeros(16, 64, dtype=torch.bfloat16))
+    for bad in (torch.ones(2, dtype=torch.bool), torch.ones(3, dtype=torch.int32), torch.ones(6, dtype=torch.bool)[::2]):
+        with pytest.raises(RuntimeError, match="one_row must be a contiguous bool"):
+            kernel.bf16_linear(x, packed, bad)
+
+
 def test_onednns_packed_gemm_gives_f_linears_bits():
     # the route where the kernels are not (AMX, or no AVX512-BF16): oneDNN on a weight reordered once
     if not linear.has_packed_bf16_gemm():

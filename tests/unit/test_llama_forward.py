@@ -98,6 +98,71 @@ def test_bfloat16_lean_forward_gives_transformers_bfloat16_logits():
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+def test_bfloat16_decode_step_gives_transformers_bfloat16_logits():
+    # transformers computes a generated token in a call of one row, whose products past 1024 inputs (the
+    # MLP's down projection here, 1280 inputs) oneDNN sums in other chunks than a call of many rows: the
+    # step marks those rows (StepContext.one_row) and the products follow
+    from data_plane.attention import StepContext
+    model = paged_model(seed=7, hidden=640, heads=10, kv_heads=5).to(torch.bfloat16)
+    reference = paged_model(seed=7, hidden=640, heads=10, kv_heads=5).to(torch.bfloat16)
+    reference.set_attn_implementation("sdpa")
+    lean = llama_forward.LlamaForward(model)
+    cfg = model.config
+    assert cfg.intermediate_size > 1024
+    prompt, follows = [3, 17, 99, 4, 250, 7, 31, 64], [12, 400, 77, 5, 301, 42, 9, 260]
+    pool = torch.zeros(cfg.num_hidden_layers, 2, 5, 4, cfg.num_key_value_heads, 64, dtype=torch.bfloat16)
+    table, prompt_lens = torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+
+    def step(ids, first, one_row):
+        positions = torch.arange(first, first + len(ids))
+        lens, starts = torch.tensor([first + len(ids)], dtype=torch.int32), torch.tensor([0, len(ids)], dtype=torch.int32)
+        ctx = StepContext(pool, positions.clone(), table, lens, starts, len(ids),
+                          kernel_rows=attention_ops.kernel_rows(starts, lens, table, prompt_lens=prompt_lens),
+                          one_row=torch.full((len(ids),), one_row))
+        return model.get_output_embeddings()(lean(torch.tensor(ids), positions, ctx))
+
+    with torch.inference_mode():
+        step(prompt, 0, False)
+        got = [step([token], 8 + k, True) for k, token in enumerate(follows)]
+        cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values
+        expected = [reference(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0] for token in follows]
+    if lean.layers[0].down.dot is not None and lean.mkl_order:
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    else:   # (other CPUs: oneDNN's own kernels, or SDPA's vectors the kernel does not follow)
+        assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, expected))
+
+
+def _one_row_flags(dtype: str, prompts, steps: int) -> list:
+    """StepContext.one_row of each step the runner's lean forward runs (as lists; None where unset)."""
+    runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, dtype=dtype)
+    lean, seen = runner.lean, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lean, name)
+
+        def __call__(self, ids, positions, ctx):
+            seen.append(None if ctx.one_row is None else ctx.one_row.tolist())
+            return lean(ids, positions, ctx)
+
+    runner.lean = Spy()
+    play_steps(runner, prompts, steps=steps, chunk=5)
+    return seen
+
+
+def test_the_runner_marks_the_tokens_transformers_computes_alone():
+    # a prompt's tokens are one call of many rows in transformers, even in chunks; a one-token prompt and
+    # every generated token a call of one row (StepContext.one_row, for the bfloat16 products' chunks)
+    prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8], [41, 2, 60, 7]]
+    no, yes = False, True
+    assert _one_row_flags("bfloat16", prompts, steps=2) == [
+        [no] * 5 + [yes] + [no] * 4,   # chunks of 5: of 11 tokens, 1, 4
+        [no] * 5, [no],                 # the first prompt's second and third chunks
+        [yes] * 3, [yes] * 3]           # two decode steps
+    # float32's products sum alike for every row count: no flags
+    assert _one_row_flags("float32", prompts, steps=1) == [None] * 4
+
+
 def test_another_architecture_keeps_transformers_forward():
     from transformers import Qwen2Config, Qwen2ForCausalLM
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
