@@ -211,8 +211,8 @@ inline float finish_scores(const Shape& sh, float* s, int64_t len, int64_t head,
 // transformers' results, not merely close ones: the scores q.k in float32, times the scale; per block of
 // 512 of the call's keys (transformers' call: a prompt's length for a prompt row, the context for a decode
 // row) the running maximum; exp(s - max) by the fast exponential for whole vectors of `lanes` keys and
-// by expf for the rest of the block; their sum per lane, the lanes added pairwise (halving), then the
-// rest in order; an earlier block's sums and weighted values rescaled by exp(old max - new max); the
+// by expf for the rest of the block; their sum per lane in two vector sums that take the vectors
+// alternately, added together, the lanes added pairwise (halving), then the rest in order; an earlier block's sums and weighted values rescaled by exp(old max - new max); the
 // numerators rounded to bfloat16; the output multiplied by 1 / sum. The float32 sums of the two products
 // (q.k, and the weighted values) add in MKL's order where the caller gives Shape::qrows (below), else in
 // this kernel's: then rarely a different rounded result.
@@ -296,22 +296,29 @@ inline void fast_exp_shifted(float* s, int64_t n, float m) {
   for (; i < n; ++i) s[i] = fast_exp(s[i] - m);
 }
 
-// the sum of s[0 .. n) as torch's vectors of `lanes` add it: lane k sums s[k], s[k + lanes], ... in order,
-// then the lanes are added pairwise, halving
+// the sum of s[0 .. n) (whole vectors of `lanes`) as torch's built kernel adds it: two vector sums, the
+// even vectors in one and the odd ones in the other, then added together; then their lanes pairwise,
+// halving. (Read from torch's results: one running vector sum gives other bits once there are three
+// vectors or more, tests/kernels/test_sdpa_order.py.)
 inline float lane_sum(const float* s, int64_t n, int64_t lanes) {
-  float lane[16] = {0.f};
+  float lane[2][16] = {{0.f}};
   int64_t i = 0;
 #ifdef PAGEDSERVE_AVX512
   if (lanes == 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(s + i));
-    _mm512_storeu_ps(lane, acc);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+      even = _mm512_add_ps(even, _mm512_loadu_ps(s + i));
+      odd = _mm512_add_ps(odd, _mm512_loadu_ps(s + i + 16));
+    }
+    _mm512_storeu_ps(lane[0], even);
+    _mm512_storeu_ps(lane[1], odd);
   }
 #endif
-  for (; i < n; ++i) lane[i % lanes] += s[i];
+  for (; i < n; ++i) lane[(i / lanes) % 2][i % lanes] += s[i];
+  for (int64_t k = 0; k < lanes; ++k) lane[0][k] += lane[1][k];
   for (int64_t half = lanes / 2; half >= 1; half /= 2)
-    for (int64_t k = 0; k < half; ++k) lane[k] += lane[k + half];
-  return lane[0];
+    for (int64_t k = 0; k < half; ++k) lane[0][k] += lane[0][k + half];
+  return lane[0][0];
 }
 
 // in place: s[i] rounded to bfloat16 for i < n

@@ -109,3 +109,74 @@ def test_query_rows_must_come_with_ends(kernel):
     with pytest.raises(RuntimeError, match="qrows"):
         kernel.paged_decode(torch.empty_like(query), query, k_cache, v_cache, rows.tables, rows.lens, rows.tokens,
                             float(scale), 0, 0.0, None, None, 0, None, 16, rows.qrows)
+
+
+def _fast_exp(x: torch.Tensor) -> torch.Tensor:
+    """torch's fast exponential of float32 x (as pagedserve_kernels/cpu/paged_decode.cpp's fast_exp), its
+    fused multiply-adds taken in float64 (exact products; a double rounding is rare enough here)."""
+    def fma(a, b, c):
+        return (a.double() * b + c).float()
+    y = x * torch.tensor(0x3fb8aa3b, dtype=torch.int32).view(torch.float32)
+    f = y - torch.floor(y)
+    r = fma(f, -0.079204240219773236, torch.tensor(-0.22433836478672356, dtype=torch.float32))
+    r = fma(f, r, torch.tensor(0.30354260500649682, dtype=torch.float32))
+    r = fma(f, r, torch.tensor(0.00010703434948458272, dtype=torch.float32))
+    return fma(torch.full_like(y, 2.0 ** 23), y - r, torch.tensor(2.0 ** 23 * 127)).to(torch.int32).view(torch.float32)
+
+
+def test_the_softmax_denominator_adds_as_torchs_kernel(kernel):
+    # A decode row over 40-200 keys, its weights' denominator (the sum of the numerators) on values chosen
+    # so that one float32 step of it changes the bfloat16 output: two keys carry values, the others zeros.
+    # torch's built kernel adds whole vectors of numerators into two sums, alternately; one running sum
+    # gave other bits in about a fifth of these rows.
+    lanes = attention.torch_sdpa_lanes(torch.bfloat16)
+    if not lanes or not attention.choose(torch.device("cpu"), torch.bfloat16).mkl_order:
+        pytest.skip("the kernel does not follow torch's SDPA steps on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(300):
+        keys = int(torch.randint(40, 200, (1,), generator=gen))
+        # one nonzero dimension: each score is one exact product, whatever the order of q.k's sum
+        a = (torch.randn(1, generator=gen) * 24).to(torch.bfloat16)   # scores of a few units
+        b = torch.randn(keys, generator=gen).to(torch.bfloat16)
+        q = torch.zeros(1, 64, dtype=torch.bfloat16)
+        k = torch.zeros(keys, 64, dtype=torch.bfloat16)
+        q[0, 0], k[:, 0] = a, b
+        s = (a.float() * b.float()) * 0.125
+        vectors = keys // lanes * lanes
+        e = torch.cat([_fast_exp(s[:vectors] - s.max()), torch.exp(s[vectors:] - s.max())])
+        w = e.to(torch.bfloat16).float()
+        top, second = torch.topk(e, 2).indices.tolist()
+        total = e.double().sum().float()   # near torch's denominator: the values below tell ulps around it apart
+        near = [total]
+        for direction in (1, -1):
+            t = total
+            for _ in range(3):
+                t = torch.nextafter(t, torch.tensor(direction * float("inf")))
+                near.append(t)
+        c1, c2 = (torch.randn(20000, generator=gen).to(torch.bfloat16).float() for _ in range(2))
+        acc = w[top] * c1 + w[second] * c2   # (float32: one rounding, as any order of two terms)
+        outs = [(acc * (1 / t)).to(torch.bfloat16) for t in near]
+        shows = torch.zeros_like(acc, dtype=torch.bool)
+        for out in outs[1:]:
+            shows |= out != outs[0]
+        picked = shows.nonzero().flatten()[:64]
+        if picked.numel() == 0:
+            continue
+        picked = picked.repeat(64)[:64]
+        v = torch.zeros(keys, 64, dtype=torch.bfloat16)
+        v[top], v[second] = c1[picked].to(torch.bfloat16), c2[picked].to(torch.bfloat16)
+        expected = F.scaled_dot_product_attention(q[None, None], k[None, None], v[None, None], scale=0.125)[0, 0]
+        blocks = -(-keys // 16)
+        k_cache, v_cache = (torch.zeros(blocks * 16, 1, 64, dtype=torch.bfloat16) for _ in range(2))
+        k_cache[:keys, 0], v_cache[:keys, 0] = k, v
+        tables = torch.arange(blocks, dtype=torch.int32)[None]
+        rows = attention.kernel_rows(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([keys], dtype=torch.int32),
+                                     tables)
+        got = torch.empty(1, 1, 64, dtype=torch.bfloat16)
+        kernel.paged_decode(got, q.view(1, 1, 64), k_cache.view(blocks, 16, 1, 64), v_cache.view(blocks, 16, 1, 64),
+                            rows.tables, rows.lens, rows.tokens, 0.125, 0, 0.0, None, None, 0, rows.ends, lanes,
+                            rows.qrows)
+        assert torch.equal(got[0], expected), keys
+        checked += 1
+    assert checked >= 150
