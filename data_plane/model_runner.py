@@ -333,7 +333,6 @@ class ModelRunner:
 
     def _prepare(self, scheduled):
         input_ids, positions, seq_lens, starts, rows, sample_rows, prompt_lens = [], [], [], [0], [], [], []
-        one_row = []   # per token: whether transformers computes it in a call of one row (StepContext.one_row)
         state_seqs = []
         max_blocks = 1
         bs, groups, windowed = self.block_size, self.layout.num_groups, self.layout.windowed
@@ -354,7 +353,6 @@ class ModelRunner:
                 self._check_freed(seq_id, table, begin)
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
-            one_row.extend(p >= st.num_prompt_tokens or st.num_prompt_tokens == 1 for p in range(begin, end))
             for g, group_slots in enumerate(slots):
                 group_slots.extend(table[p // bs * groups + g] * bs + p % bs for p in range(begin, end))
             seq_lens.append(end)
@@ -374,16 +372,20 @@ class ModelRunner:
         prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.int32, device=dev)
         views = [self._group_view(slots[g], tables if groups == 1 else tables[:, g::groups].contiguous(),
                                   seq_lens_t, starts_t, prompt_lens_t, decode_only) for g in range(groups)]
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
+        one_row = None
+        if self.dtype == torch.bfloat16:   # the tokens transformers computes alone: past the prompt, or a prompt of one
+            prompt_of = torch.repeat_interleave(prompt_lens_t, starts_t[1:] - starts_t[:-1])
+            one_row = (pos[0] >= prompt_of) | (prompt_of == 1)
         ctx = attention.StepContext(
             kv_pool=self.pool, slot_mapping=views[0].slot_mapping, block_tables=views[0].block_tables,
             seq_lens=seq_lens_t, query_start_loc=starts_t,
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend,
             kernel_rows=views[0].kernel_rows,
-            one_row=torch.tensor(one_row, dtype=torch.bool, device=dev) if self.dtype == torch.bfloat16 else None,
+            one_row=one_row,
             state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None,
             kv_slabs=self.kv_slabs, kv_groups=self.layout.groups, groups=views if groups > 1 else None)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)[None]
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)[None]
         return ctx, ids, pos, sample_rows
 
     def _group_view(self, slots: list[int], tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -211,11 +211,11 @@ inline float finish_scores(const Shape& sh, float* s, int64_t len, int64_t head,
 // transformers' results, not merely close ones: the scores q.k in float32, times the scale; per block of
 // 512 of the call's keys (transformers' call: a prompt's length for a prompt row, the context for a decode
 // row) the running maximum; exp(s - max) by the fast exponential for whole vectors of `lanes` keys and
-// by expf for the rest of the block; their sum per lane in two vector sums that take the vectors
-// alternately, added together, the lanes added pairwise (halving), then the rest in order; an earlier block's sums and weighted values rescaled by exp(old max - new max); the
-// numerators rounded to bfloat16; the output multiplied by 1 / sum. The float32 sums of the two products
-// (q.k, and the weighted values) add in MKL's order where the caller gives Shape::qrows (below), else in
-// this kernel's: then rarely a different rounded result.
+// by expf for the rest of the block; their sum (lane_sum), then the rest in order; an earlier block's
+// sums and weighted values rescaled by exp(old max - new max); the numerators rounded to bfloat16; the
+// output multiplied by 1 / sum. The float32 sums of the two products (q.k, and the weighted values)
+// add in MKL's order where the caller gives Shape::qrows (below), else in this kernel's: then rarely a
+// different rounded result.
 constexpr int64_t kSdpaBlock = 512;
 
 // bits of the float32 constants of torch's fast exponential (Vectorized<float>::fexp_u20, after Malossi
