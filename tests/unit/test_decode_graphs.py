@@ -105,7 +105,7 @@ def test_captured_graphs_sample_what_eager_cuda_steps_sample(num_prompts):
     for mode in ("off", "auto"):
         config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=16, kv_cache_blocks=16 * num_prompts,
                                  swap_blocks=4, decode_graphs=mode, max_model_len=256)
-        runners[mode] = ModelRunner(paged_model(seed=7), config, torch.device("cuda"))
+        runners[mode] = ModelRunner(paged_model(seed=7).to("cuda"), config, torch.device("cuda"))
     graphs = runners["auto"].graphs
     assert graphs is not None and set(graphs.graphs) == set(graphs.buckets)   # every bucket captured
     assert graphs.capture_seconds > 0
