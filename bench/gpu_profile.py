@@ -111,8 +111,16 @@ def profile_engine():
     def mark(key):
         events[key] = torch.cuda.Event(enable_timing=True)
         events[key].record()
-    model.base_model.register_forward_pre_hook(lambda *_: mark("start"))
-    model.base_model.register_forward_hook(lambda *_: mark("end"))
+    # events around the runner's own forward (the lean forward or a graph replay never calls the
+    # transformers module, so hooks on it would not fire)
+    inner_forward = runner.runner._forward
+
+    def forward_between_events(*a):
+        mark("start")
+        out = inner_forward(*a)
+        mark("end")
+        return out
+    runner.runner._forward = forward_between_events
     rng = random.Random(0)
     print("== ModelRunner decode steps, random SmolLM2-shaped model, float32, ctx 128, ms per step (median of 10)")
     print("batch  execute  prepare(cpu)  forward(cpu launch)  forward(gpu)  lm_head+sample  | bare HF fwd+argmax "
