@@ -66,7 +66,11 @@ def has_packed_gemm() -> bool:
 
 
 def has_packed_bf16_gemm() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN's packed bfloat16 GEMM exists in this build and runs on this CPU (it needs AVX-512 or
+    AVX-NE-CONVERT: on an AVX2-only CPU packing a weight raises, and bfloat16 products stay torch's)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 def bf16_dot_kernel(kernel) -> bool:

@@ -3,7 +3,8 @@
 
 transformers' bfloat16 SDPA on a CPU runs torch's flash-attention kernel, which takes both products from
 MKL's bfloat16 GEMM. The order in which that GEMM adds its float32 terms is MKL's own and depends on the CPU
-(the kernel follows the one read from MKL's AVX2 path: pagedserve_kernels/cpu/paged_decode.cpp). Checked
+(the kernel follows the one read from MKL's AVX2 path on an AVX-512 CPU: pagedserve_kernels/cpu/paged_decode.cpp;
+on an AVX2-only CPU some rows differ, the check says so, and the kernel keeps its own order there). Checked
 once per process, on random attention in a paged pool against SDPA as transformers calls it: decode rows
 past one and two blocks of 512 keys, and the rows of prompts whose calls take each shape of product."""
 from __future__ import annotations
@@ -54,11 +55,18 @@ def kernel_attention(kernel, args: tuple, lanes: int, mkl_order: bool) -> torch.
     return out
 
 
+# Random inputs per case: where the orders differ, a case shows it on some inputs only (on an AVX2-only
+# CPU a few of 8 seeds differ in one to thirty values), so one seed per case can pass by luck. The
+# tests draw seed keys + 1, outside these.
+CHECK_SEEDS = (0, 2, 3, 4)
+
+
 @functools.cache
 def mkl_order_matches(kernel, lanes: int) -> bool:
     """True when the kernel's rows with the products in MKL's order equal SDPA's on every check case."""
     for queries, keys in CHECK_CASES:
-        args, expected = sdpa_case(queries, keys, seed=keys)
-        if not torch.equal(kernel_attention(kernel, args, lanes, True), expected):
-            return False
+        for offset in CHECK_SEEDS:
+            args, expected = sdpa_case(queries, keys, seed=keys + offset)
+            if not torch.equal(kernel_attention(kernel, args, lanes, True), expected):
+                return False
     return True
