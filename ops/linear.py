@@ -82,6 +82,14 @@ def bf16_dot_kernel(kernel) -> bool:
     return not (amx is not None and amx())
 
 
+def bf16_dots_kernel(kernel) -> bool:
+    """Whether bfloat16 products take the kernel's route in the order of torch's own GEMM: where oneDNN
+    has no bfloat16 GEMM for the CPU (AVX2 only), `F.linear` in bfloat16 is that GEMM, one dot product
+    per output and several times slower than float32 (pagedserve_kernels/cpu/bf16_dots_linear.cpp)."""
+    return kernel is not None and kernel.vectorized() and hasattr(kernel, "bf16_dots_linear") \
+        and not has_packed_bf16_gemm()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight reordered once for its GEMM library (MKL for float32, oneDNN for bfloat16), or None."""
     if weight.dtype == torch.bfloat16:
@@ -114,7 +122,13 @@ class RoutedLinear:
         many_rows = packed and (self.codes is None or not wide)
         self.dot = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.kernel is not None \
             and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
-        self.packed = _pack(weight) if many_rows and self.dot is None else None
+        # where torch's own GEMM is F.linear's bfloat16 route, every row count takes the kernel that sums in
+        # its order: its outputs are F.linear's, and the codes' or oneDNN's would not be
+        self.dots = self.kernel is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 64 == 0 \
+            and bf16_dots_kernel(self.kernel)
+        self.packed = _pack(weight) if many_rows and self.dot is None and not self.dots else None
+        if self.dots:
+            self.codes = None
         # bfloat16 codes that only serve a few rows, where the build has the dot product: in its pair order
         if self.codes is not None and not wide and (self.dot is not None or self.packed is not None) \
                 and self.kernel.has_bf16_dot():
@@ -128,7 +142,7 @@ class RoutedLinear:
     @property
     def routed(self) -> bool:
         few_rows = self.kernel is not None and self.weight.dtype == torch.float32   # the few-row kernel
-        return self.codes is not None or self.packed is not None or self.dot is not None or few_rows
+        return self.codes is not None or self.packed is not None or self.dot is not None or self.dots or few_rows
 
     def __call__(self, x: torch.Tensor, one_row: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -150,6 +164,8 @@ class RoutedLinear:
         AVX512-BF16 kernels follow. The other routes take every row as they take a call's."""
         weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
         if weight.dtype == torch.bfloat16:
+            if self.dots:
+                return lambda x, one_row=None: kernel.bf16_dots_linear(x, weight)
             if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
                 few = codes.product(kernel)
                 return lambda x, one_row=None: few(x, codes.codes, codes.scales, codes.mins, one_row)
@@ -229,10 +245,11 @@ def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS
 def route_counts(linears) -> dict[str, int]:
     """How many of the RoutedLinear `linears` read codes, take the few-row kernel (those without
     codes; they take the packed GEMM above its rows too) and have a weight laid out for a GEMM (oneDNN's
-    or the AVX512-BF16 kernel's)."""
-    counts = {"codes": 0, "kernel": 0, "packed": 0}
+    or the AVX512-BF16 kernel's), and take bfloat16 products in the order of torch's own GEMM."""
+    counts = {"codes": 0, "kernel": 0, "packed": 0, "dots": 0}
     for routed in linears:
         counts["codes"] += routed.codes is not None
         counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.weight.dtype == torch.float32
         counts["packed"] += routed.packed is not None or routed.dot is not None
+        counts["dots"] += routed.dots
     return counts

@@ -24,6 +24,7 @@ at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::T
 bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
+at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
 bool has_q8_argmax();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
                                   at::Tensor absums);
@@ -68,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");
   m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());
+  m.def("bf16_dots_linear", &bf16_dots_linear, "x [M, K] . W[N, K]^T in bfloat16 in the order of torch's own GEMM (its route where "
+        "oneDNN has no bfloat16 for the CPU); K a multiple of 64; needs the AVX2 paths (vectorized)");
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI)");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");

@@ -31,7 +31,7 @@ def dot_route(kernel):
     """Skips where the kernels' order is not oneDNN's: the bit-for-bit claim holds where they are the
     route (AVX512-BF16 and no AMX: oneDNN's GEMM there is its AVX512-BF16 brgemm)."""
     if not kernel.has_bf16_dot():
-        pytest.skip("no AVX512-BF16 on this CPU: bfloat16 layers take oneDNN's GEMM itself (tested below)")
+        pytest.skip("no AVX512-BF16 on this CPU: bfloat16 layers take oneDNN's GEMM (tested below) or, on AVX2 alone, bf16_dots_linear")
     if not linear.bf16_dot_kernel(kernel):
         pytest.skip("AMX tiles on this CPU: oneDNN's AMX GEMM is the route there (tested below)")
     return kernel
@@ -119,9 +119,10 @@ def test_one_row_flags_are_checked(kernel):
 
 
 def test_onednns_packed_gemm_gives_f_linears_bits():
-    # the route where the kernels are not (AMX, or no AVX512-BF16): oneDNN on a weight reordered once
+    # the route where the kernels are not (AMX, or AVX-512 without its BF16 dot product): oneDNN on a
+    # weight reordered once; AVX2-only CPUs take tests/kernels/test_bf16_dots_linear.py's route instead
     if not linear.has_packed_bf16_gemm():
-        pytest.skip("this torch has no oneDNN packed linear")
+        pytest.skip("oneDNN has no packed bfloat16 GEMM in this torch or for this CPU")
     for outputs, inputs in SHAPES[:4]:
         gen = torch.Generator().manual_seed(outputs * inputs)
         weight = torch.randn(outputs, inputs, generator=gen).to(torch.bfloat16)

@@ -32,9 +32,11 @@ def test_each_bfloat16_shape_runs_its_route_once_at_every_row_count(monkeypatch)
 
 
 def test_the_runners_routed_layers_are_found_in_the_model():
-    model = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.ReLU(), torch.nn.Linear(48, 16, bias=False))
+    # inputs a multiple of 64: the shapes every bfloat16 route takes
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.ReLU(), torch.nn.Linear(128, 16, bias=False))
     model.to(torch.bfloat16)
     counts = linear.route_linears(model, packed=True, codes=False)
     found = linear.routed_in(model)
-    assert len(found) == counts["packed"] == 2
+    # oneDNN's packed GEMM, or on AVX2 alone the kernel in torch's own GEMM's order (ops/linear.bf16_dots_kernel)
+    assert len(found) == counts["packed"] + counts["dots"] == 2
     assert found[0].weight is model[0].weight and found[1].weight is model[2].weight
