@@ -110,7 +110,8 @@ class RoutedLinear:
         self.weight, self.bias = weight, bias
         self.kernel = kernel if bias is None else None   # the kernels add no bias
         wide = weight.dtype == torch.float32
-        if self.kernel is None or not codes:
+        if self.kernel is None or not codes or not self.kernel.has_coded_simd():
+            # (no vectorized codes kernel for this CPU: the float32 GEMM over the expanded weights is faster)
             self.codes = None
         elif wide:
             self.codes = quantized.find_codes(weight)

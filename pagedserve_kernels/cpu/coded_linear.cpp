@@ -515,3 +515,13 @@ at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::T
   });
   return out;
 }
+
+// whether coded_linear runs vectorized here (AVX-512): elsewhere it is a scalar loop, correct but many
+// times slower than the float32 GEMM over the expanded weights, which ops/linear.py then takes instead
+bool has_coded_simd() {
+#ifdef PAGEDSERVE_AVX512
+  return true;
+#else
+  return false;
+#endif
+}

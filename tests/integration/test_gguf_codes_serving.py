@@ -52,8 +52,11 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     assert served.preemptions > 0 and served.prefix_hits > 0, served
     # every step's projections went through the codes: prefill chunks and decode batches alike; the output
     # layer's through the greedy head where it is on (every row here is greedy without log-probs)
-    assert max(rows) > 4 and min(rows) == 1, rows
-    assert kinds == ({"q4_1"} if greedy_head else {"q4_1", "q8_0"}), kinds
+    if kernel.has_coded_simd():
+        assert max(rows) > 4 and min(rows) == 1, rows
+        assert kinds == ({"q4_1"} if greedy_head else {"q4_1", "q8_0"}), kinds
+    else:   # no AVX-512: the layers keep the float32 routes (the codes' scalar loop is slower than MKL)
+        assert rows == [], rows
     assert (sum(argmax_rows) > 0) == greedy_head and (not greedy_head or max(argmax_rows) > 1), argmax_rows
     assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
     if greedy_head:   # nobody asked for them: not computed
