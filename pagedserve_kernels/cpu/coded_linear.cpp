@@ -39,6 +39,12 @@
 
 #include "simd.h"
 
+// Without AVX-512, the same kernel in eight-lane AVX2 registers (F16C widens the float16 scales): each
+// 16-row group is two registers, rows 0-7 and 8-15, and every output is the same FMA chain over k.
+#if !defined(PAGEDSERVE_AVX512) && defined(PAGEDSERVE_AVX2) && defined(__F16C__)
+#define PAGEDSERVE_CODES_AVX2 1
+#endif
+
 // the expansion must round after the product and after the sum, as torch's separate ops do. Q4_1's
 // product scale * code is exact in float32 (a float16 scale's 11 significant bits times a 4-bit code),
 // so one FMA of it and the minimum, rounding once after the sum, gives the same bits.
@@ -86,6 +92,28 @@ template <> inline __m512 weight16<pagedserve::bf16>(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 #endif
+#endif
+
+#ifdef PAGEDSERVE_CODES_AVX2
+// eight float16 scales (or minimums) as float32: exact
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// the codes of eight rows (bytes p[0..7]) in 32-bit lanes: Q4_1's two nibbles, or Q8_0's signed byte
+inline __m256i codes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i codes8(const int8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+// Q4_1's weights of the low and the high nibbles: scale * code + min, one rounding (see expand_q4)
+inline __m256 low_weights8(__m256i both, __m256 d, __m256 m) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(both, _mm256_set1_epi32(15))), d, m);
+}
+inline __m256 high_weights8(__m256i both, __m256 d, __m256 m) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(both, 4)), d, m);
+}
+template <typename T> inline __m256 weight8(__m256 v) { return pagedserve::rounded8<T>(v); }
 #endif
 
 // the buffer of one thread: 48 floats per input, 64-byte aligned
@@ -160,10 +188,44 @@ void expand_q8(const Weights& w, int64_t g0, int64_t groups, float* buf) {
   }
 }
 
+#ifdef PAGEDSERVE_CODES_AVX2
+// The float32 weights of groups [g0, g0 + groups) and inputs [k0, k1) (whole blocks of 32), rounded to T,
+// into buf[(k - k0) * stride + 16 v + lane]: the panel's expansion, one chunk of the inputs at a time
+template <typename T>
+void expand_chunk8(const Weights& w, int64_t g0, int64_t groups, int64_t k0, int64_t k1, float* buf, int64_t stride) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  for (int64_t v = 0; v < groups; ++v)
+    for (int h = 0; h < 2; ++h) {   // rows 0-7, then 8-15
+      const at::Half* scales = w.scales + (g0 + v) * blocks * kGroup + 8 * h;
+      float* out = buf + v * kGroup + 8 * h - k0 * stride;
+      for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) {
+        const __m256 d = load_half8(scales + b * kGroup);
+        if (w.mins != nullptr) {
+          const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + (g0 + v) * (K / 2) * kGroup + 8 * h;
+          const __m256 m = load_half8(w.mins + (g0 + v) * blocks * kGroup + 8 * h + b * kGroup);
+          for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+            const __m256i both = codes8(codes + j * kGroup);
+            _mm256_storeu_ps(out + (2 * j) * stride, weight8<T>(low_weights8(both, d, m)));
+            _mm256_storeu_ps(out + (2 * j + 1) * stride, weight8<T>(high_weights8(both, d, m)));
+          }
+        } else {
+          const int8_t* codes = static_cast<const int8_t*>(w.codes) + (g0 + v) * K * kGroup + 8 * h;
+          for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
+            _mm256_storeu_ps(out + k * stride, weight8<T>(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(codes + k * kGroup)), d)));
+        }
+      }
+    }
+}
+#endif
+
 template <typename T>
 void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
+#ifdef PAGEDSERVE_CODES_AVX2
+  expand_chunk8<T>(w, g0, groups, 0, w.K, buf, kPanel);
+#else
   if (w.mins != nullptr) expand_q4<T>(w, g0, groups, buf);
   else expand_q8<T>(w, g0, groups, buf);
+#endif
 }
 
 #ifdef PAGEDSERVE_AVX512
@@ -198,6 +260,80 @@ void tile_rows(int64_t rows, const float* x, const float* buf, T* y, int64_t m0,
     case 7: tile<7, V, T>(x, buf, y, m0, n0, K, N); break;
     default: tile<8, V, T>(x, buf, y, m0, n0, K, N); break;
   }
+}
+#endif
+
+#ifdef PAGEDSERVE_CODES_AVX2
+// The AVX2 panel: two groups (32 outputs, 4 registers) at a time, their weights expanded a chunk of
+// kChunk8 inputs at a time into a buffer that stays in L1 (16 KB), every row of x run over each chunk.
+// Between chunks the running sums wait in a float32 buffer, so each output is still the one FMA chain
+// over k in order. A whole-K panel (up to 295 KB for SmolLM2) was read from L2 by every tile of rows.
+constexpr int64_t kChunk8 = 128;
+constexpr int64_t kWide8 = 2 * kGroup;
+
+// acc[m0 .. m0 + R, c .. c + 8 V] += x[m0 .. m0 + R, k0 .. k1] . the chunk's weights of columns c .. c + 8 V
+// (acc starts at 0 at k0 = 0), buf and acc offset by c
+template <int R, int V>
+void chunk_tile8(const float* x, const float* buf, float* acc, int64_t m0, int64_t k0, int64_t k1, int64_t K) {
+  __m256 a[R][V];
+  if (k0 == 0) {
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < V; ++v) a[i][v] = _mm256_setzero_ps();
+  } else {
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < V; ++v) a[i][v] = _mm256_loadu_ps(acc + (m0 + i) * kWide8 + 8 * v);
+  }
+  const float* xr = x + m0 * K + k0;
+  const int64_t n = k1 - k0;
+  for (int64_t k = 0; k < n; ++k) {
+    __m256 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(buf + k * kWide8 + 8 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xb = _mm256_set1_ps(xr[i * K + k]);
+      for (int v = 0; v < V; ++v) a[i][v] = _mm256_fmadd_ps(xb, wv[v], a[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + (m0 + i) * kWide8 + 8 * v, a[i][v]);
+}
+
+// every row of x over one group's columns of a chunk: R rows a tile, R V accumulators, V weights and a
+// broadcast in the sixteen registers
+template <int V>
+void chunk_rows8(const float* x, const float* buf, float* acc, int64_t M, int64_t k0, int64_t k1, int64_t K) {
+  constexpr int R = 6;
+  int64_t m0 = 0;
+  for (; m0 + R <= M; m0 += R) chunk_tile8<R, V>(x, buf, acc, m0, k0, k1, K);
+  switch (M - m0) {
+    case 1: chunk_tile8<1, V>(x, buf, acc, m0, k0, k1, K); break;
+    case 2: chunk_tile8<std::min(2, R), V>(x, buf, acc, m0, k0, k1, K); break;
+    case 3: chunk_tile8<std::min(3, R), V>(x, buf, acc, m0, k0, k1, K); break;
+    case 4: chunk_tile8<std::min(4, R), V>(x, buf, acc, m0, k0, k1, K); break;
+    case 5: chunk_tile8<std::min(5, R), V>(x, buf, acc, m0, k0, k1, K); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t groups) {
+  const int64_t K = w.K, N = groups * kGroup;
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> buf, acc;
+    buf.resize(kChunk8 * kWide8);
+    acc.resize(M * kWide8);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t g0 = 2 * p, count = std::min<int64_t>(2, groups - g0);
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk8) {
+        const int64_t k1 = std::min(K, k0 + kChunk8);
+        expand_chunk8<T>(w, g0, count, k0, k1, buf.data(), kWide8);
+        for (int64_t v = 0; v < count; ++v)
+          chunk_rows8<2>(x, buf.data() + v * kGroup, acc.data() + v * kGroup, M, k0, k1, K);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t u = 0; u < 2 * count; ++u)
+          pagedserve::store8(y + m * N + g0 * kGroup + 8 * u, _mm256_loadu_ps(acc.data() + m * kWide8 + 8 * u));
+    }
+  });
 }
 #endif
 
@@ -243,7 +379,11 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 // this way for up to kChainRows rows (with more, the panel's tiles were as fast, even against two tiles
 // of rows over each group's expansion), the bfloat16 dot product for up to kDirectRows.
 constexpr int kDirectRows = 4;
+#ifdef PAGEDSERVE_AVX512
 constexpr int kChainRows = 16;
+#else
+constexpr int kChainRows = 8;   // AVX2: sixteen registers, two for every group a row meets
+#endif
 
 #ifdef PAGEDSERVE_AVX512
 // Groups side by side in the direct path: one output's sum is a chain of dependent FMAs (the order over k
@@ -342,6 +482,87 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
     for (int v = 0; v < G; ++v) pagedserve::store16(y + r * N + (g + v) * kGroup, acc[r][v]);
 }
 
+#elif defined(PAGEDSERVE_CODES_AVX2)
+// as with AVX-512, G groups keep 2 G M chains in flight, M G accumulator pairs of the 16 registers
+template <int M> constexpr int direct_groups() { return M == 1 ? 3 : 1; }
+
+// expand_pairs in eight lanes: fn(j, even, odd), where even[2 v + h] holds rows 8h .. 8h + 7 of group g + v
+// for input 2j, odd[2 v + h] for input 2j + 1 (not rounded to T)
+template <int G, typename Fn>
+inline void expand_pairs8(const Weights& w, int64_t g, Fn fn) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  const at::Half* scales = w.scales + g * blocks * kGroup;
+  __m256 even[2 * G], odd[2 * G], d[2 * G];
+  if (w.mins != nullptr) {
+    const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + g * (K / 2) * kGroup;
+    const at::Half* mins = w.mins + g * blocks * kGroup;
+    __m256 m[2 * G];
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int u = 0; u < 2 * G; ++u) {
+        d[u] = load_half8(scales + ((u / 2) * blocks + b) * kGroup + 8 * (u % 2));
+        m[u] = load_half8(mins + ((u / 2) * blocks + b) * kGroup + 8 * (u % 2));
+      }
+      for (int v = 0; v < G; ++v) {
+        __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
+        __builtin_prefetch(mins + ((v + G) * blocks + b) * kGroup, 0, 3);
+      }
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        if (j % 4 == 0)
+          for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * (K / 2) + j) * kGroup, 0, 3);
+        for (int u = 0; u < 2 * G; ++u) {
+          const __m256i both = codes8(codes + ((u / 2) * (K / 2) + j) * kGroup + 8 * (u % 2));
+          even[u] = low_weights8(both, d[u], m[u]);
+          odd[u] = high_weights8(both, d[u], m[u]);
+        }
+        fn(j, even, odd);
+      }
+    }
+  } else {
+    const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int u = 0; u < 2 * G; ++u) d[u] = load_half8(scales + ((u / 2) * blocks + b) * kGroup + 8 * (u % 2));
+      for (int v = 0; v < G; ++v) __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
+      for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
+        if (j % 2 == 0)
+          for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * K + 2 * j) * kGroup, 0, 3);
+        for (int u = 0; u < 2 * G; ++u) {
+          const int8_t* c = codes + ((u / 2) * K + 2 * j) * kGroup + 8 * (u % 2);
+          even[u] = _mm256_mul_ps(_mm256_cvtepi32_ps(codes8(c)), d[u]);
+          odd[u] = _mm256_mul_ps(_mm256_cvtepi32_ps(codes8(c + kGroup)), d[u]);
+        }
+        fn(j, even, odd);
+      }
+    }
+  }
+}
+
+// direct_group in eight lanes: the same FMA chains, so the same bits as the panel's tiles
+template <typename T, int M, int G>
+void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) {
+  const int64_t K = w.K;
+  __m256 acc[M][2 * G];
+  for (int r = 0; r < M; ++r)
+    for (int u = 0; u < 2 * G; ++u) acc[r][u] = _mm256_setzero_ps();
+  expand_pairs8<G>(w, g, [&](int64_t j, __m256* even, __m256* odd) {
+    for (int u = 0; u < 2 * G; ++u) {
+      even[u] = weight8<T>(even[u]);
+      odd[u] = weight8<T>(odd[u]);
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m256 x0 = _mm256_set1_ps(x[r * K + 2 * j]);
+      for (int u = 0; u < 2 * G; ++u) acc[r][u] = _mm256_fmadd_ps(x0, even[u], acc[r][u]);
+    }
+    for (int r = 0; r < M; ++r) {
+      const __m256 x1 = _mm256_set1_ps(x[r * K + 2 * j + 1]);
+      for (int u = 0; u < 2 * G; ++u) acc[r][u] = _mm256_fmadd_ps(x1, odd[u], acc[r][u]);
+    }
+  });
+  for (int r = 0; r < M; ++r)
+    for (int u = 0; u < 2 * G; ++u) pagedserve::store8(y + r * N + g * kGroup + 8 * u, acc[r][u]);
+}
+#endif
+
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_CODES_AVX2)
 // fn(std::integral_constant<int, G>, g) over groups [g0, g1) of the direct path: G = direct_groups<M>()
 // groups at a time while that many remain, then the rest side by side (a thread's share of the groups
 // need not be a multiple of G, and one group alone leaves a single chain in flight)
@@ -435,7 +656,7 @@ void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y, const bool* 
 template <typename T>
 void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t groups) {
   const int64_t K = w.K, N = groups * kGroup;
-#ifdef PAGEDSERVE_AVX512
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_CODES_AVX2)
   if (M >= 1 && M <= kChainRows) {
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       with_rows<kChainRows>(M, [&](auto m) {
@@ -444,6 +665,9 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
     });
     return;
   }
+#endif
+#ifdef PAGEDSERVE_CODES_AVX2
+  return panel_rows8(w, xp, yp, M, groups);
 #endif
   const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -516,10 +740,11 @@ at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::T
   return out;
 }
 
-// whether coded_linear runs vectorized here (AVX-512): elsewhere it is a scalar loop, correct but many
-// times slower than the float32 GEMM over the expanded weights, which ops/linear.py then takes instead
+// whether coded_linear runs vectorized here (AVX-512, or AVX2 with F16C): elsewhere it is a scalar loop,
+// correct but many times slower than the float32 GEMM over the expanded weights, which ops/linear.py
+// then takes instead
 bool has_coded_simd() {
-#ifdef PAGEDSERVE_AVX512
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_CODES_AVX2)
   return true;
 #else
   return false;

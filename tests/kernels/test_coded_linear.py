@@ -70,6 +70,29 @@ def test_kernel_computes_x_times_w_transposed(kernel, kind, n):
         torch.testing.assert_close(codes.linear(kernel, x), want, atol=1e-4, rtol=1e-5)
 
 
+def _fma_chain(x, weight):
+    """Each output as one FMA chain over k = 0..K-1 in order, in float32: a product of two float32 values is
+    exact in float64 and the sum is rounded once to float32 (a double rounding could differ from the FMA's
+    single one only where the float64 sum itself rounds: not for these magnitudes)."""
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        acc = (x[:, k:k + 1].double() * weight[:, k].double() + acc.double()).float()
+    return acc
+
+
+@pytest.mark.parametrize("kind", FORMS)
+def test_every_output_is_the_fma_chain_over_k_in_order(kernel, kind):
+    # the order every path and every instruction set sums in (the in-register path, the panel's tiles,
+    # AVX-512 or AVX2), so a machine's outputs are another's bit for bit
+    weight = _weight(kind, 96, 256, seed=4)
+    codes = quantized.find_codes(weight)
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(5))
+    want = _fma_chain(x, weight)
+    assert not torch.equal(want, (x.double() @ weight.double().T).float())   # the order shows in the bits
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24):
+        assert torch.equal(_bits(codes.linear(kernel, x[:rows].contiguous())), _bits(want[:rows])), rows
+
+
 @pytest.mark.parametrize("kind", FORMS)
 # 400, 448, 480: 25, 28 and 30 groups, so the in-register path takes several at a time, and a thread's
 # share of them (on two threads 13 and 12, 14, 15) leaves 1, 2 or 3 groups after its full sets
