@@ -28,8 +28,8 @@
 // 0.60. The AVX-512 walk asks for the next block's rows ahead (blocks sit anywhere in the pool, where
 // the hardware cannot guess them): 30 layers of a 64-sequence step at context 128, K/V from memory,
 // 21.9-22.1 against 26.1-27.4 ms without. Otherwise, with AVX2+FMA (and head_dim a multiple of 8)
-// the dot products, exponentials and value sums are vectorized by hand in eight lanes; without,
-// plain loops do the same arithmetic.
+// the dot products, exponentials and value sums are vectorized by hand in eight lanes (a float32
+// query head's value sums in registers, value_slice8); without, plain loops do the same arithmetic.
 #include "aten.h"
 
 #include <algorithm>
@@ -364,6 +364,43 @@ inline bool sdpa_order(const Shape& sh) {
          sh.softcap == 0.f && sh.chunk == 0 && sh.alibi == nullptr && sh.sinks == nullptr;
 }
 
+#ifdef PAGEDSERVE_AVX2
+// The weighted sum of float32 value rows for one query head, dimensions [d0, d0 + 8 S) of KV head h, its
+// S eight-lane sums in registers while the walk goes (axpy would load and store them at every position):
+// the same FMAs in the same order as axpy's, so the same bits. out[0 .. 8 S) = the sums * inv_sum.
+template <int S>
+void value_slice8(const Shape& sh, const float* vc, const int32_t* table, int64_t begin, int64_t full_len,
+                  int64_t h, int64_t d0, const float* w, float inv_sum, float* out) {
+  __m256 acc[S];
+  for (int s = 0; s < S; ++s) acc[s] = _mm256_setzero_ps();
+  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const float* row) {
+    const float* v = row + h * sh.head_dim + d0;
+    const __m256 wv = _mm256_set1_ps(w[p]);
+    for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * s), acc[s]);
+  });
+  const __m256 inv = _mm256_set1_ps(inv_sum);
+  for (int s = 0; s < S; ++s) _mm256_storeu_ps(out + 8 * s, _mm256_mul_ps(acc[s], inv));
+}
+
+// value_slice8 over every dimension of query head j of the item (head_dim a multiple of 8), 64 at a time
+inline void values8(const Shape& sh, const float* vc, const int32_t* table, int64_t begin, int64_t full_len,
+                    int64_t h, const float* w, float inv_sum, float* out) {
+  for (int64_t d0 = 0; d0 < sh.head_dim; d0 += 64) {
+    float* o = out + d0;
+    switch (std::min<int64_t>(8, (sh.head_dim - d0) / 8)) {
+      case 1: value_slice8<1>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 2: value_slice8<2>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 3: value_slice8<3>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 4: value_slice8<4>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 5: value_slice8<5>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 6: value_slice8<6>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 7: value_slice8<7>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      default: value_slice8<8>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+    }
+  }
+}
+#endif
+
 // One item: token row `tok`, KV heads [h0, h1). `scores` and `acc` are the calling thread's
 // scratch buffers. A position's K (or V) row holds every KV head side by side, so walking the
 // heads of a position together reads the block front to back.
@@ -398,6 +435,14 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   for (int64_t j = 0; j < nq; ++j)
     inv_sum[j] = sdpa ? sdpa_weights(scores.data() + j * len, len, end, sh.scale, sh.lanes, rescale.data() + j * blocks)
                       : finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
+#ifdef PAGEDSERVE_AVX2
+  if constexpr (kVector && std::is_same<T, float>::value) {
+    for (int64_t j = 0; j < nq; ++j)
+      values8(sh, vc, table, begin, full_len, h0 + j / G, scores.data() + j * len, inv_sum[j],
+              o + tok * sh.o_tok + (h0 * G + j) * sh.o_head);
+    return;
+  }
+#endif
   walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
       for (int64_t j = 0; j < nq; ++j)
