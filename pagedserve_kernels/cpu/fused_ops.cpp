@@ -245,7 +245,8 @@ at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Ten
 }
 
 // gate_up [T, 2I] (gate, then up) -> SiLU(gate) * up, [T, I]: gate / (1 + e^-gate) * up, as torch
-// computes it; with AVX-512 in sixteen lanes (simd.h's exp16, within ~2e-7 of expf), else expf.
+// computes it; with AVX-512 in sixteen lanes (simd.h's exp16, within ~2e-7 of expf), with AVX2 in eight
+// (exp8: the same arithmetic, so the same bits), else expf.
 namespace {
 
 // SiLU(gate) rounded to T (torch's silu writes T), times up, rounded to T
@@ -269,6 +270,14 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
         const __m512 e_neg = pagedserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         const __m512 silu = pagedserve::rounded16<T>(_mm512_div_ps(gv, _mm512_add_ps(one, e_neg)));
         pagedserve::store16(y + i, _mm512_mul_ps(silu, pagedserve::load16(u + i)));
+      }
+#elif defined(PAGEDSERVE_AVX2)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= i1; i += 8) {
+        const __m256 gv = pagedserve::load8(g + i);
+        const __m256 e_neg = pagedserve::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 silu = pagedserve::rounded8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, e_neg)));
+        pagedserve::store8(y + i, _mm256_mul_ps(silu, pagedserve::load8(u + i)));
       }
 #endif
       for (; i < i1; ++i) {

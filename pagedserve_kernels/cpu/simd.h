@@ -140,7 +140,12 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-// rounded16 and store16 in eight lanes
+// load16, rounded16 and store16 in eight lanes
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 template <typename T> inline __m256 rounded8(__m256 v);
 template <> inline __m256 rounded8<float>(__m256 v) { return v; }
 template <> inline __m256 rounded8<bf16>(__m256 v) {
