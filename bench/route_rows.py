@@ -1,9 +1,11 @@
 """Where the bfloat16 routes cross: every linear layer of SmolLM2's lean forward (120 products) at a
 given row count, through the kernel reading the GGUF codes, the AVX512-BF16 kernel (where the build
 has it) and oneDNN's packed GEMM. Where the runner keeps its few-row codes in the dot product's pair
-order, a column shows the same products from the plain order (the codes' route before it).
+order, a column shows the same products from the plain order (the codes' route before it). With
+--dtype float32: the codes, the few-row kernel and MKL's packed GEMM over the float32 weights.
 
     python bench/route_rows.py                  # rows 1, 2, 4, 8, 12, 16, 24, 32, 64, 512
+    python bench/route_rows.py --dtype float32
 
 The model is loaded in float32 and narrowed by the data plane's runner, as `--dtype bfloat16` serves
 it, so every route multiplies the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS is set from
@@ -26,17 +28,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,12,16,24,32,64,512")
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args(argv)
     import torch
 
     print(C.machine_line(args.num_threads))
-    runner = C.default_runner(args.num_threads, "inproc://routes", "bfloat16", kv_cache_blocks=16)
+    runner = C.default_runner(args.num_threads, "inproc://routes", args.dtype, kv_cache_blocks=16)
     from ops import linear
     layers = runner.lean.linears()
     if any(lin.codes is None for lin in layers):
-        print("not run: some layer lacks its codes")
+        print("not run: some layer lacks its codes (on this CPU its route does not read them)")
         return 1
     kernel = layers[0].kernel
+    dtype = getattr(torch, args.dtype)
+    if args.dtype == "float32":
+        packed = [linear._pack(lin.weight) for lin in layers] if linear.has_packed_gemm() else None
+        routes = {"codes": lambda i, x: layers[i].codes.linear(kernel, x),
+                  "few-row kernel": lambda i, x: kernel.skinny_linear(x, layers[i].weight)}
+        if packed is not None:
+            routes["MKL packed"] = lambda i, x: linear._packed_gemm(x, packed[i], layers[i].weight, None, x.shape[0])
+        return _table(routes, layers, args.rows, dtype)
     # each layer's weight laid out for every route, whichever the runner chose
     onednn = [linear._pack(lin.weight) for lin in layers] if linear.has_packed_bf16_gemm() else None
     dot = [kernel.bf16_pack(lin.weight) for lin in layers] if kernel.has_bf16_dot() else None
@@ -52,9 +63,15 @@ def main(argv=None) -> int:
     if onednn is not None:
         routes["oneDNN"] = lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
     print(f"the runner's route for many rows: {'AVX512-BF16' if layers[0].dot is not None else 'oneDNN'}")
+    return _table(routes, layers, args.rows, dtype)
+
+
+def _table(routes: dict, layers, rows_arg: str, dtype) -> int:
+    """Prints each route's time over every layer, per row count."""
+    import torch
 
     def time_route(route, rows: int) -> float:
-        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).bfloat16() for lin in layers}
+        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1]).to(dtype) for lin in layers}
 
         def once():
             for i, lin in enumerate(layers):
@@ -70,7 +87,7 @@ def main(argv=None) -> int:
 
     print(f"{'rows':>5} " + " ".join(f"{name + ' ms':>15}" for name in routes))
     with torch.inference_mode():
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in (int(r) for r in rows_arg.split(",")):
             print(f"{rows:>5} " + " ".join(f"{time_route(fn, rows):>15.1f}" for fn in routes.values()), flush=True)
     return 0
 

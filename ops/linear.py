@@ -21,8 +21,10 @@ float32:
 
 - a weight whose float32 values are exactly GGUF Q4_1 or Q8_0 codes expanded (as the default model's
   are; ops/quantized.py finds them) goes through the kernel that reads the codes
-  (pagedserve_kernels/cpu/coded_linear.cpp) at every row count: over all of SmolLM2's Q4_1 layers it was 2.2x
-  the routes below at 1 row, 2.0x at 16, 1.3x at 64 and 1.06x at 512;
+  (pagedserve_kernels/cpu/coded_linear.cpp) at every row count where that kernel is vectorized (AVX-512, or AVX2
+  with F16C): over all of SmolLM2's Q4_1 layers it was 2.2x the routes below at 1 row, 2.0x at 16, 1.3x at
+  64 and 1.06x at 512 (AVX-512); 3.7x at 1 row, 1.8x at 16 and 1.4x at 64 (AVX2 alone, bench/route_rows.py
+  --dtype float32);
 - else, 1..SKINNY_MAX_ROWS rows: the few-row kernel (pagedserve_kernels/cpu/skinny_linear.cpp), which streams each
   weight row once at about the memory's bandwidth;
 - more rows: MKL's GEMM on a weight packed once at start (`torch.ops.mkl._mkl_linear`, the op

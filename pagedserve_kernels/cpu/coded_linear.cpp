@@ -17,6 +17,9 @@
 // 8 x 3 sixteen-lane accumulators: per input, 3 loads of weights and 8 broadcasts of x feed 24 FMAs.
 // Up to 16 rows skip the buffer: each group's weights are expanded in registers and used at once.
 // Each output is the FMA chain over k = 0..K-1 in order, whatever the number of rows or the path.
+// Without AVX-512 (AVX2 and F16C), the same in eight-lane registers: up to 8 rows in registers, more
+// through a panel of two groups expanded 128 inputs at a time (an L1-sized buffer; the running sums wait
+// in memory between chunks, so the chains and their bits are the same).
 //
 // bfloat16 x and y (a bfloat16 model whose weights are these codes expanded, then rounded to
 // bfloat16): the expansion rounds each weight to bfloat16 as well, so the kernel multiplies the
