@@ -11,9 +11,12 @@
 // the same sums. Each output depends on its own row and column only: no batch effects.
 //
 // torch's GEMM computes output after output without reusing a loaded weight across rows; here a tile
-// of 3 rows x 4 outputs takes the running sums of one vector position v at a time (12 registers), so
-// each weight vector loaded feeds 3 rows, and x is widened to float32 once. K must be a multiple of 64
-// (the tails torch adds after the blocks are not followed; ops/linear.py routes other shapes to torch).
+// of 3 rows x 2 outputs takes the running sums of two vector positions v = 2t, 2t + 1 at a time (12
+// registers), so each weight loaded feeds 3 rows, and x is widened to float32 once. Sixteen bfloat16
+// weights are widened by two unpacks with zeros, which leave them in the lane order (0-3, 8-11) and
+// (4-7, 12-15): x is widened in that order too, and the running sums, lane for lane the same, are put
+// back in place before they are folded. K must be a multiple of 64 (the tails torch adds after the
+// blocks are not followed; ops/linear.py routes other shapes to torch).
 #include "aten.h"
 
 #include <algorithm>
@@ -24,14 +27,17 @@
 namespace {
 
 constexpr int64_t kBlock = 64, kLanes = 8, kSums = kBlock / kLanes;
-constexpr int64_t kTileRows = 3, kTileCols = 4, kPanelCols = 32;
+constexpr int64_t kTileRows = 3, kTileCols = 2, kPanelCols = 32;
 
 #ifdef PAGEDSERVE_AVX2
 using pagedserve::bf16;
 
-inline __m256 widen8(const bf16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+// sixteen bfloat16 values as float32: inputs 0-3 and 8-11 in `a`, 4-7 and 12-15 in `b` (the unpacks work
+// within each 128-bit half)
+inline void widen16(const bf16* p, __m256& a, __m256& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
+  a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
 // The eight running sums of one output, halved as torch halves them, then the lanes
@@ -47,24 +53,30 @@ inline float fold(const __m256* s) {
   return _mm256_cvtss_f32(t);
 }
 
-// rows [m0, m0 + R) x outputs [n0, n0 + C): xf is x widened, sums[r][c][v] the running sums
+// rows [m0, m0 + R) x outputs [n0, n0 + C): xf is x widened in widen16's order (per 16 inputs, its `a`
+// then its `b`), sums[r][c][v] the running sums
 template <int R, int C>
 void tile(const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   __m256 sums[R][C][kSums];
-  for (int64_t v = 0; v < kSums; ++v) {
-    __m256 acc[R][C];
+  for (int64_t t = 0; t < kSums / 2; ++t) {
+    __m256 acc_a[R][C], acc_b[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t k = v * kLanes; k < K; k += kBlock) {
-      __m256 xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(xf + (m0 + r) * K + k);
+      for (int c = 0; c < C; ++c) acc_a[r][c] = acc_b[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 2 * t * kLanes; k < K; k += kBlock)
       for (int c = 0; c < C; ++c) {
-        const __m256 wv = widen8(w + (n0 + c) * K + k);
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);
+        __m256 wa, wb;
+        widen16(w + (n0 + c) * K + k, wa, wb);
+        for (int r = 0; r < R; ++r) {
+          acc_a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k), wa, acc_a[r][c]);
+          acc_b[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes), wb, acc_b[r][c]);
+        }
       }
-    }
+    // a's lanes 0-3 are inputs 0-3 of vector 2t, its lanes 4-7 inputs 0-3 of vector 2t + 1; b's, 4-7 of each
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) sums[r][c][v] = acc[r][c];
+      for (int c = 0; c < C; ++c) {
+        sums[r][c][2 * t] = _mm256_permute2f128_ps(acc_a[r][c], acc_b[r][c], 0x20);
+        sums[r][c][2 * t + 1] = _mm256_permute2f128_ps(acc_a[r][c], acc_b[r][c], 0x31);
+      }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = pagedserve::from_float<bf16>(fold(sums[r][c]));
@@ -74,8 +86,6 @@ template <int R>
 void tile_cols(int64_t cols, const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   switch (cols) {
     case 1: tile<R, 1>(xf, w, y, m0, n0, K, N); break;
-    case 2: tile<R, 2>(xf, w, y, m0, n0, K, N); break;
-    case 3: tile<R, 3>(xf, w, y, m0, n0, K, N); break;
     default: tile<R, kTileCols>(xf, w, y, m0, n0, K, N); break;
   }
 }
@@ -96,7 +106,12 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   std::vector<float> widened(M * K);
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * K; i < r1 * K; ++i) widened[i] = pagedserve::to_float(xp[i]);
+    for (int64_t i = r0 * K; i < r1 * K; i += 2 * kLanes) {
+      __m256 a, b;
+      widen16(xp + i, a, b);
+      _mm256_storeu_ps(widened.data() + i, a);
+      _mm256_storeu_ps(widened.data() + i + kLanes, b);
+    }
   });
   const float* xf = widened.data();
   const auto* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());

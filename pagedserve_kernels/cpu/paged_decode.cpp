@@ -127,7 +127,11 @@ using pagedserve::bf16;
 // a row of n values as float32: the row itself, or its conversion into `buf`
 inline const float* as_float(const float* row, float*, int64_t) { return row; }
 inline const float* as_float(const bf16* row, float* buf, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = pagedserve::to_float(row[i]);
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, pagedserve::load8(row + i));
+#endif
+  for (; i < n; ++i) buf[i] = pagedserve::to_float(row[i]);
   return buf;
 }
 
@@ -365,28 +369,30 @@ inline bool sdpa_order(const Shape& sh) {
 }
 
 #ifdef PAGEDSERVE_AVX2
-// The weighted sum of float32 value rows for one query head, dimensions [d0, d0 + 8 S) of KV head h, its
-// S eight-lane sums in registers while the walk goes (axpy would load and store them at every position):
-// the same FMAs in the same order as axpy's, so the same bits. out[0 .. 8 S) = the sums * inv_sum.
-template <int S>
-void value_slice8(const Shape& sh, const float* vc, const int32_t* table, int64_t begin, int64_t full_len,
-                  int64_t h, int64_t d0, const float* w, float inv_sum, float* out) {
+// The weighted sum of the value rows (float32, or bfloat16 widened) for one query head, dimensions
+// [d0, d0 + 8 S) of KV head h, its S eight-lane sums in registers while the walk goes (axpy would load
+// and store them at every position): the same FMAs in the same order as axpy's, so the same bits.
+// out[0 .. 8 S) = the sums * inv_sum, rounded to T.
+template <int S, typename T>
+void value_slice8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
+                  int64_t h, int64_t d0, const float* w, float inv_sum, T* out) {
   __m256 acc[S];
   for (int s = 0; s < S; ++s) acc[s] = _mm256_setzero_ps();
-  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const float* row) {
-    const float* v = row + h * sh.head_dim + d0;
+  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+    const T* v = row + h * sh.head_dim + d0;
     const __m256 wv = _mm256_set1_ps(w[p]);
-    for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * s), acc[s]);
+    for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(wv, pagedserve::load8(v + 8 * s), acc[s]);
   });
   const __m256 inv = _mm256_set1_ps(inv_sum);
-  for (int s = 0; s < S; ++s) _mm256_storeu_ps(out + 8 * s, _mm256_mul_ps(acc[s], inv));
+  for (int s = 0; s < S; ++s) pagedserve::store8(out + 8 * s, _mm256_mul_ps(acc[s], inv));
 }
 
 // value_slice8 over every dimension of query head j of the item (head_dim a multiple of 8), 64 at a time
-inline void values8(const Shape& sh, const float* vc, const int32_t* table, int64_t begin, int64_t full_len,
-                    int64_t h, const float* w, float inv_sum, float* out) {
+template <typename T>
+void values8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
+             int64_t h, const float* w, float inv_sum, T* out) {
   for (int64_t d0 = 0; d0 < sh.head_dim; d0 += 64) {
-    float* o = out + d0;
+    T* o = out + d0;
     switch (std::min<int64_t>(8, (sh.head_dim - d0) / 8)) {
       case 1: value_slice8<1>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
       case 2: value_slice8<2>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
@@ -436,7 +442,7 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     inv_sum[j] = sdpa ? sdpa_weights(scores.data() + j * len, len, end, sh.scale, sh.lanes, rescale.data() + j * blocks)
                       : finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
 #ifdef PAGEDSERVE_AVX2
-  if constexpr (kVector && std::is_same<T, float>::value) {
+  if (kVector && !sdpa) {
     for (int64_t j = 0; j < nq; ++j)
       values8(sh, vc, table, begin, full_len, h0 + j / G, scores.data() + j * len, inv_sum[j],
               o + tok * sh.o_tok + (h0 * G + j) * sh.o_head);
