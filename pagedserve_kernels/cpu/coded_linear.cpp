@@ -388,6 +388,18 @@ constexpr int kChainRows = 16;
 constexpr int kChainRows = 8;   // AVX2: sixteen registers, two for every group a row meets
 #endif
 
+#if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_CODES_AVX2)
+// asks for block b's scales (and minimums, unless null) of groups g + G .. g + 2G - 1, scales and mins at
+// group g: the direct path reads them next (expand_pairs says why)
+template <int G>
+inline void ask_next_scales(const at::Half* scales, const at::Half* mins, int64_t b, int64_t blocks) {
+  for (int v = 0; v < G; ++v) {
+    __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
+    if (mins != nullptr) __builtin_prefetch(mins + ((v + G) * blocks + b) * kGroup, 0, 3);
+  }
+}
+#endif
+
 #ifdef PAGEDSERVE_AVX512
 // Groups side by side in the direct path: one output's sum is a chain of dependent FMAs (the order over k
 // is fixed, so it cannot be split), and one row against one group leaves a single chain in flight,
@@ -423,10 +435,7 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
         spread(d[v], d_odd[v], load_half16(scales + (v * blocks + b) * kGroup));
         spread(m[v], m_odd[v], load_half16(mins + (v * blocks + b) * kGroup));
       }
-      for (int v = 0; v < G; ++v) {
-        __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
-        __builtin_prefetch(mins + ((v + G) * blocks + b) * kGroup, 0, 3);
-      }
+      ask_next_scales<G>(scales, mins, b, blocks);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         if (j % 4 == 0)
           for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * (K / 2) + j) * kGroup, 0, 3);
@@ -442,10 +451,8 @@ inline void expand_pairs(const Weights& w, int64_t g, Fn fn) {
   } else {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int v = 0; v < G; ++v) {
-        spread(d[v], d_odd[v], load_half16(scales + (v * blocks + b) * kGroup));
-        __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
-      }
+      for (int v = 0; v < G; ++v) spread(d[v], d_odd[v], load_half16(scales + (v * blocks + b) * kGroup));
+      ask_next_scales<G>(scales, nullptr, b, blocks);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         if (j % 2 == 0)
           for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * K + 2 * j) * kGroup, 0, 3);
@@ -505,10 +512,7 @@ inline void expand_pairs8(const Weights& w, int64_t g, Fn fn) {
         d[u] = load_half8(scales + ((u / 2) * blocks + b) * kGroup + 8 * (u % 2));
         m[u] = load_half8(mins + ((u / 2) * blocks + b) * kGroup + 8 * (u % 2));
       }
-      for (int v = 0; v < G; ++v) {
-        __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
-        __builtin_prefetch(mins + ((v + G) * blocks + b) * kGroup, 0, 3);
-      }
+      ask_next_scales<G>(scales, mins, b, blocks);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         if (j % 4 == 0)
           for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * (K / 2) + j) * kGroup, 0, 3);
@@ -524,7 +528,7 @@ inline void expand_pairs8(const Weights& w, int64_t g, Fn fn) {
     const int8_t* codes = static_cast<const int8_t*>(w.codes) + g * K * kGroup;
     for (int64_t b = 0; b < blocks; ++b) {
       for (int u = 0; u < 2 * G; ++u) d[u] = load_half8(scales + ((u / 2) * blocks + b) * kGroup + 8 * (u % 2));
-      for (int v = 0; v < G; ++v) __builtin_prefetch(scales + ((v + G) * blocks + b) * kGroup, 0, 3);
+      ask_next_scales<G>(scales, nullptr, b, blocks);
       for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
         if (j % 2 == 0)
           for (int v = 0; v < G; ++v) __builtin_prefetch(codes + ((v + G) * K + 2 * j) * kGroup, 0, 3);
