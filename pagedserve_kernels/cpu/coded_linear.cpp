@@ -199,22 +199,22 @@ void expand_chunk8(const Weights& w, int64_t g0, int64_t groups, int64_t k0, int
   const int64_t K = w.K, blocks = K / kBlock;
   for (int64_t v = 0; v < groups; ++v)
     for (int h = 0; h < 2; ++h) {   // rows 0-7, then 8-15
-      const at::Half* scales = w.scales + (g0 + v) * blocks * kGroup + 8 * h;
+      const int64_t lane0 = (g0 + v) * blocks * kGroup + 8 * h;   // this half's first scale (and minimum)
+      const uint8_t* q4 = static_cast<const uint8_t*>(w.codes) + (g0 + v) * (K / 2) * kGroup + 8 * h;
+      const int8_t* q8 = static_cast<const int8_t*>(w.codes) + (g0 + v) * K * kGroup + 8 * h;
       float* out = buf + v * kGroup + 8 * h - k0 * stride;
       for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) {
-        const __m256 d = load_half8(scales + b * kGroup);
+        const __m256 d = load_half8(w.scales + lane0 + b * kGroup);
         if (w.mins != nullptr) {
-          const uint8_t* codes = static_cast<const uint8_t*>(w.codes) + (g0 + v) * (K / 2) * kGroup + 8 * h;
-          const __m256 m = load_half8(w.mins + (g0 + v) * blocks * kGroup + 8 * h + b * kGroup);
+          const __m256 m = load_half8(w.mins + lane0 + b * kGroup);
           for (int64_t j = b * kBlock / 2; j < (b + 1) * kBlock / 2; ++j) {
-            const __m256i both = codes8(codes + j * kGroup);
+            const __m256i both = codes8(q4 + j * kGroup);
             _mm256_storeu_ps(out + (2 * j) * stride, weight8<T>(low_weights8(both, d, m)));
             _mm256_storeu_ps(out + (2 * j + 1) * stride, weight8<T>(high_weights8(both, d, m)));
           }
         } else {
-          const int8_t* codes = static_cast<const int8_t*>(w.codes) + (g0 + v) * K * kGroup + 8 * h;
           for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
-            _mm256_storeu_ps(out + k * stride, weight8<T>(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(codes + k * kGroup)), d)));
+            _mm256_storeu_ps(out + k * stride, weight8<T>(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(q8 + k * kGroup)), d)));
         }
       }
     }
@@ -276,7 +276,7 @@ constexpr int64_t kWide8 = 2 * kGroup;
 
 // acc[m0 .. m0 + R, c .. c + 8 V] += x[m0 .. m0 + R, k0 .. k1] . the chunk's weights of columns c .. c + 8 V
 // (acc starts at 0 at k0 = 0), buf and acc offset by c
-template <int R, int V>
+template <int R, int V = 2>
 void chunk_tile8(const float* x, const float* buf, float* acc, int64_t m0, int64_t k0, int64_t k1, int64_t K) {
   __m256 a[R][V];
   if (k0 == 0) {
@@ -300,19 +300,17 @@ void chunk_tile8(const float* x, const float* buf, float* acc, int64_t m0, int64
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + (m0 + i) * kWide8 + 8 * v, a[i][v]);
 }
 
-// every row of x over one group's columns of a chunk: R rows a tile, R V accumulators, V weights and a
-// broadcast in the sixteen registers
-template <int V>
+// every row of x over one group's columns (two registers) of a chunk: 6 rows a tile, 12 accumulators,
+// two weights and a broadcast in the sixteen registers, then the last rows
 void chunk_rows8(const float* x, const float* buf, float* acc, int64_t M, int64_t k0, int64_t k1, int64_t K) {
-  constexpr int R = 6;
   int64_t m0 = 0;
-  for (; m0 + R <= M; m0 += R) chunk_tile8<R, V>(x, buf, acc, m0, k0, k1, K);
+  for (; m0 + 6 <= M; m0 += 6) chunk_tile8<6>(x, buf, acc, m0, k0, k1, K);
   switch (M - m0) {
-    case 1: chunk_tile8<1, V>(x, buf, acc, m0, k0, k1, K); break;
-    case 2: chunk_tile8<std::min(2, R), V>(x, buf, acc, m0, k0, k1, K); break;
-    case 3: chunk_tile8<std::min(3, R), V>(x, buf, acc, m0, k0, k1, K); break;
-    case 4: chunk_tile8<std::min(4, R), V>(x, buf, acc, m0, k0, k1, K); break;
-    case 5: chunk_tile8<std::min(5, R), V>(x, buf, acc, m0, k0, k1, K); break;
+    case 1: chunk_tile8<1>(x, buf, acc, m0, k0, k1, K); break;
+    case 2: chunk_tile8<2>(x, buf, acc, m0, k0, k1, K); break;
+    case 3: chunk_tile8<3>(x, buf, acc, m0, k0, k1, K); break;
+    case 4: chunk_tile8<4>(x, buf, acc, m0, k0, k1, K); break;
+    case 5: chunk_tile8<5>(x, buf, acc, m0, k0, k1, K); break;
     default: break;
   }
 }
@@ -330,7 +328,7 @@ void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t grou
         const int64_t k1 = std::min(K, k0 + kChunk8);
         expand_chunk8<T>(w, g0, count, k0, k1, buf.data(), kWide8);
         for (int64_t v = 0; v < count; ++v)
-          chunk_rows8<2>(x, buf.data() + v * kGroup, acc.data() + v * kGroup, M, k0, k1, K);
+          chunk_rows8(x, buf.data() + v * kGroup, acc.data() + v * kGroup, M, k0, k1, K);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t u = 0; u < 2 * count; ++u)
@@ -674,8 +672,8 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
   }
 #endif
 #ifdef PAGEDSERVE_CODES_AVX2
-  return panel_rows8(w, xp, yp, M, groups);
-#endif
+  panel_rows8(w, xp, yp, M, groups);
+#else
   const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float* buf = panel_buffer(K);
@@ -685,6 +683,7 @@ void coded_rows(const Weights& w, const float* xp, T* yp, int64_t M, int64_t gro
       panel_product(xp, buf, yp, M, g0 * kGroup, count, K, N);
     }
   });
+#endif
 }
 
 }  // namespace

@@ -28,8 +28,8 @@
 // 0.60. The AVX-512 walk asks for the next block's rows ahead (blocks sit anywhere in the pool, where
 // the hardware cannot guess them): 30 layers of a 64-sequence step at context 128, K/V from memory,
 // 21.9-22.1 against 26.1-27.4 ms without. Otherwise, with AVX2+FMA (and head_dim a multiple of 8)
-// the dot products, exponentials and value sums are vectorized by hand in eight lanes (a float32
-// query head's value sums in registers, value_slice8); without, plain loops do the same arithmetic.
+// the dot products, exponentials and value sums are vectorized by hand in eight lanes (a query head's
+// value sums in registers, value_slice8); without, plain loops do the same arithmetic.
 #include "aten.h"
 
 #include <algorithm>
@@ -421,7 +421,6 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   const int64_t begin = first_visible(sh, full_len - 1);
   const int64_t len = full_len - begin;       // positions attended, indexed from `begin`
   scores.resize(nq * len);
-  acc.assign(nq * D, 0.f);
   const T* qh = q + tok * sh.q_tok + h0 * G * sh.q_head;
   // the item's query heads as float32 (copied only for bfloat16), and a row buffer for K/V rows
   std::vector<float> qf(std::is_same<T, float>::value ? 0 : nq * D), row_f(D);
@@ -449,6 +448,7 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     return;
   }
 #endif
+  acc.assign(nq * D, 0.f);   // (the value sums in memory: the path above keeps them in registers)
   walk_context(vc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
       for (int64_t j = 0; j < nq; ++j)

@@ -146,20 +146,23 @@ inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+// v rounded to bfloat16 (nearest, ties to even) in the high half of each lane; a NaN is the caller's
+inline __m256 round_bf16_finite8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 template <typename T> inline __m256 rounded8(__m256 v);
 template <> inline __m256 rounded8<float>(__m256 v) { return v; }
 template <> inline __m256 rounded8<bf16>(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
-  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(round_bf16_finite8(v), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(bf16* p, __m256 v) {
-  // rounded8's bits keep the NaN of v (a quiet NaN: from_float writes 0x7FC0 for every NaN)
+  // a NaN becomes the quiet NaN 0x7FC0, as from_float writes it
   const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  const __m256i r = _mm256_castps_si256(_mm256_blendv_ps(rounded8<bf16>(v), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+  const __m256i r = _mm256_castps_si256(_mm256_blendv_ps(round_bf16_finite8(v), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
   const __m256i high = _mm256_srli_epi32(r, 16);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
