@@ -134,7 +134,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaForward:
     """hidden states [tokens, hidden] of the model's last norm for one step's flattened tokens."""
 
-    def __init__(self, model, fused: bool = True, codes: bool | dict = True):
+    def __init__(self, model, fused: bool = True, codes: bool | dict = True, in_one_call: bool = True):
         self.model = model.model
         # built for float32 and bfloat16 alike (unsupported_reason checked the type); the products
         # of a bfloat16 model take oneDNN's GEMM whatever the kernel module holds
@@ -160,9 +160,31 @@ class LlamaForward:
         self.post_norms = [(layer.post_norm.weight, layer.post_norm.variance_epsilon) for layer in self.layers]
         self._route_cap = 1 + max([linear_ops.BF16_CODES_MAX_ROWS] + [lin.skinny_max_rows for lin in self.linears()])
         self._route_cache: dict[int, list[tuple]] = {}
-        self._pool, self._pool_views = None, []
+        self._pool, self._pool_views, self._layers_pool = None, [], None
+        self.coded_layers = self._coded_layers() if in_one_call else None
         self.rotary = _Rotary(self.model.rotary_emb, getattr(model.config, "max_position_embeddings", 0) or 0,
                               weight.dtype)
+
+    def _coded_layers(self):
+        """The kernel's CodedLayers (pagedserve_kernels/cpu/coded_layers.cpp), which runs every layer in one
+        call with the kernels this loop calls one by one, where every product of a float32 model is codes
+        (the route of every row count) and the norms, rotary and attention are the kernel's; else None."""
+        if not self.fused_attention or not hasattr(self.kernel, "CodedLayers"):
+            return None
+        if any(lin.weight.dtype != torch.float32 or lin.codes is None or lin.kernel is None for lin in self.linears()):
+            return None
+        shape = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in self.layers}
+        if len(shape) != 1:
+            return None
+        none = torch.empty(0)
+        tensors = []
+        for index, layer in enumerate(self.layers):
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                codes = lin.codes
+                tensors += [codes.codes, codes.scales, codes.mins if codes.mins is not None else none]
+            tensors += [self.post_norms[index][0], self.norms[index + 1][0]]
+        return self.kernel.CodedLayers(tensors, [eps for _, eps in self.post_norms], [eps for _, eps in self.norms[1:]],
+                                       *shape.pop())
 
     def linears(self) -> list[linear_ops.RoutedLinear]:
         """Every layer's routed products (the output layer is not among them)."""
@@ -180,6 +202,12 @@ class LlamaForward:
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
         x = ops.add_rms_norm(residual, None, *self.norms[0])
+        if fused and self.coded_layers is not None:
+            if self._layers_pool is not ctx.kv_pool:
+                self.coded_layers.set_caches([cache for pair in caches for cache in pair])
+                self._layers_pool = ctx.kv_pool
+            return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
+                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None)
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]
             k_cache, v_cache = caches[index]

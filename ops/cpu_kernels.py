@@ -18,13 +18,13 @@ log = logging.getLogger("pagedserve.ops")
 
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pagedserve_kernels", "cpu")
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp", "coded_linear.cpp", "bf16_linear.cpp",
-                                                           "bf16_dots_linear.cpp", "greedy_head.cpp")]
+                                                           "bf16_dots_linear.cpp", "greedy_head.cpp", "coded_layers.cpp")]
 
 
 def _sources_digest() -> str:
     import hashlib
     digest = hashlib.sha256(_FOLDER.encode())   # torch's builder also keys on the include path
-    for path in sorted(SOURCES + [os.path.join(_FOLDER, h) for h in ("simd.h", "aten.h")]):
+    for path in sorted(SOURCES + [os.path.join(_FOLDER, h) for h in ("simd.h", "aten.h", "coded_layers.h")]):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:10]

@@ -2,6 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>   // pybind11 with the casters for tensors, not all of <torch/extension.h>
 
+#include "coded_layers.h"
 #include "simd.h"
 
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
@@ -75,5 +76,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "oneDNN has no bfloat16 for the CPU); K a multiple of 64; needs the AVX2 paths (vectorized)");
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI)");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
+  pybind11::class_<CodedLayers>(m, "CodedLayers", "a float32 model's decoder layers whose every product is GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())
+      .def("set_caches", &CodedLayers::set_caches, "per layer its K and V cache")
+      .def("forward", &CodedLayers::forward, "the layers over residual (in place) from its first norm x; returns the last norm",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

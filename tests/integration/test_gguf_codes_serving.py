@@ -45,7 +45,15 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     def spy_argmax(x, *rest):
         argmax_rows.append(x.shape[0])
         return real_argmax(x, *rest)
+    real_layers = kernel.CodedLayers.forward
+
+    def spy_layers(self, residual, *rest):
+        # the lean forward's layers in one call (coded_layers.cpp): its products are the layers' Q4_1 codes
+        rows.append(residual.shape[0])
+        kinds.add("q4_1")
+        return real_layers(self, residual, *rest)
     monkeypatch.setattr(kernel, "coded_linear", spy)
+    monkeypatch.setattr(kernel.CodedLayers, "forward", spy_layers)
     monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
     # no log-probs asked for: the greedy head's condition (the log-probs are checked with it off, and below)
     served = serve(model, PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS, logprobs=None)

@@ -230,3 +230,39 @@ def test_bfloat16_gguf_model_is_narrowed_by_the_runner_and_reads_its_codes():
     assert [(s, t) for s, t, _, _ in with_codes] == [(s, t) for s, t, _, _ in without]
     for (_, _, lp_a, _), (_, _, lp_b, _) in zip(with_codes, without):
         assert lp_a == pytest.approx(lp_b, abs=2e-2)
+
+
+def test_layers_in_one_call_give_the_python_loops_bits():
+    # a float32 model whose every product is codes runs its layers in one call to the kernel module
+    # (CodedLayers): the same kernels in the same order as the Python loop, so every logit the same bits
+    from ops import cpu_kernels
+    from tests.helpers import gguf_form_model
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
+    prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8], [41, 2, 60, 7]]
+    one_call = make_runner(gguf_form_model(paged_model(seed=6)), num_blocks=64, swap_blocks=4)
+    loop = make_runner(gguf_form_model(paged_model(seed=6)), num_blocks=64, swap_blocks=4)
+    # the codes are every product's route where the kernel is vectorized (AVX-512, or AVX2 and F16C)
+    assert (one_call.lean.coded_layers is not None) == kernel.has_coded_simd()
+    loop.lean.coded_layers = None
+    calls = []
+    if one_call.lean.coded_layers is not None:
+        layers = one_call.lean.coded_layers
+
+        class Counted:
+            def set_caches(self, caches):
+                layers.set_caches(caches)
+
+            def forward(self, *args):
+                calls.append(args[0].shape[0])
+                return layers.forward(*args)
+
+        one_call.lean.coded_layers = Counted()
+    got, expected = play_steps(one_call, prompts, steps=6, chunk=5), play_steps(loop, prompts, steps=6, chunk=5)
+    assert len(got) == len(expected) == 3 * 7
+    assert got == expected      # tokens, log-probs and top log-probs, exactly
+    if kernel.has_coded_simd():
+        assert len(calls) >= 6 and 3 in calls     # the decode steps of three rows took the one call
+    with torch.inference_mode():
+        assert torch.equal(one_call.pool, loop.pool)

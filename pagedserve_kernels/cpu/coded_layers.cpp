@@ -1,0 +1,77 @@
+// The decoder layers of a float32 Llama-style model whose every product is held as GGUF codes, in one call
+// per step. data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten
+// calls a layer; for one stream, those calls' own cost (Python, pybind11, building the arguments) is a
+// visible share of a token's time next to the kernels, and a loop here skips it. Same kernels, same
+// arguments, same order: the same bits.
+#include "coded_layers.h"
+
+#include <utility>
+
+at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                        c10::optional<at::Tensor> one_row);
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
+at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
+                        at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
+at::Tensor silu_mul(at::Tensor gate_up);
+void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                  at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
+                  int64_t window, double softcap, c10::optional<at::Tensor> sinks,
+                  c10::optional<at::Tensor> alibi, int64_t chunk, c10::optional<at::Tensor> ends,
+                  int64_t lanes, c10::optional<at::Tensor> qrows);
+
+namespace {
+
+// the tensors of one layer in the order CodedLayers takes them: four products (codes, scales, minimums;
+// an empty minimums tensor for Q8_0), then the weight of the norm after attention and of the next norm
+constexpr size_t kPerLayer = 14;
+
+c10::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace
+
+CodedLayers::CodedLayers(std::vector<at::Tensor> tensors, std::vector<double> post_eps, std::vector<double> next_eps,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling)
+    : post_eps_(std::move(post_eps)), next_eps_(std::move(next_eps)), heads_(heads), kv_heads_(kv_heads),
+      head_dim_(head_dim), scaling_(scaling) {
+  const size_t layers = post_eps_.size();
+  TORCH_CHECK(tensors.size() == kPerLayer * layers && next_eps_.size() == layers,
+              "CodedLayers: 14 tensors and two epsilons per layer");
+  for (size_t i = 0; i < layers; ++i) {
+    const at::Tensor* t = tensors.data() + kPerLayer * i;
+    Layer layer;
+    for (int p = 0; p < 4; ++p) layer.products[p] = {t[3 * p], t[3 * p + 1], present(t[3 * p + 2])};
+    layer.post_norm = t[12];
+    layer.next_norm = t[13];
+    layers_.push_back(std::move(layer));
+  }
+}
+
+void CodedLayers::set_caches(std::vector<at::Tensor> caches) {
+  TORCH_CHECK(caches.size() == 2 * layers_.size(), "CodedLayers: a K and a V cache per layer");
+  caches_ = std::move(caches);
+}
+
+at::Tensor CodedLayers::forward(at::Tensor residual, at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                at::Tensor tables, at::Tensor lens, at::Tensor tokens,
+                                c10::optional<at::Tensor> ends, int64_t lanes, c10::optional<at::Tensor> qrows) {
+  TORCH_CHECK(caches_.size() == 2 * layers_.size(), "CodedLayers: set_caches first");
+  const int64_t rows = x.size(0);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = layers_[i];
+    const auto product = [&](int p, const at::Tensor& in) {
+      const Product& w = layer.products[p];
+      return coded_linear(in, w.codes, w.scales, w.mins, c10::nullopt);
+    };
+    const at::Tensor& k_cache = caches_[2 * i];
+    const at::Tensor& v_cache = caches_[2 * i + 1];
+    at::Tensor q = rotary_store(product(0, x), heads_, kv_heads_, cos, sin, k_cache, v_cache, slots);
+    at::Tensor out = at::empty_like(q);
+    paged_decode(out, q, k_cache, v_cache, tables, lens, tokens, scaling_, 0, 0.0, c10::nullopt, c10::nullopt, 0, ends,
+                 lanes, qrows);
+    x = add_rms_norm(residual, product(1, out.view({rows, heads_ * head_dim_})), layer.post_norm, post_eps_[i]);
+    x = add_rms_norm(residual, product(3, silu_mul(product(2, x))), layer.next_norm, next_eps_[i]);
+  }
+  return x;
+}

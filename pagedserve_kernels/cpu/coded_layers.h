@@ -1,0 +1,37 @@
+// CodedLayers (coded_layers.cpp): a float32 model's decoder layers, every product GGUF codes, in one call.
+#pragma once
+
+#include <vector>
+
+#include "aten.h"
+
+class CodedLayers {
+ public:
+  // tensors: per layer, the codes, scales and minimums (empty for Q8_0) of the qkv, o, gate_up and down
+  // products, then the weights of the norm after attention and of the next layer's (or the model's last)
+  // norm; post_eps and next_eps those norms' epsilons; every layer has the same heads and scaling
+  CodedLayers(std::vector<at::Tensor> tensors, std::vector<double> post_eps, std::vector<double> next_eps,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling);
+  // per layer its K and V cache (views of the pool), in that order
+  void set_caches(std::vector<at::Tensor> caches);
+  // residual [rows, hidden] (updated in place) and x its first norm; the rest as paged_decode and
+  // rotary_store take them. Returns the last norm of the residual.
+  at::Tensor forward(at::Tensor residual, at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                     at::Tensor tables, at::Tensor lens, at::Tensor tokens, c10::optional<at::Tensor> ends,
+                     int64_t lanes, c10::optional<at::Tensor> qrows);
+
+ private:
+  struct Product {
+    at::Tensor codes, scales;
+    c10::optional<at::Tensor> mins;
+  };
+  struct Layer {
+    Product products[4];   // qkv, o, gate_up, down
+    at::Tensor post_norm, next_norm;
+  };
+  std::vector<Layer> layers_;
+  std::vector<at::Tensor> caches_;
+  std::vector<double> post_eps_, next_eps_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scaling_;
+};
