@@ -324,6 +324,17 @@ void greedy_rows(const T* lp, int64_t rows, int64_t vocab, float* bp, int64_t* i
       }
       m = _mm512_reduce_max_ps(mx);
       nan = unordered != 0;
+#elif defined(PAGEDSERVE_AVX2)
+      __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
+      for (; i + 8 <= vocab; i += 8) {
+        const __m256 v = pagedserve::load8(x + i);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, v);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      for (const float v : lanes) m = v > m ? v : m;
+      nan = _mm256_movemask_ps(unordered) != 0;
 #endif
       for (; i < vocab; ++i) {
         const float xi = to_float(x[i]);
@@ -334,6 +345,11 @@ void greedy_rows(const T* lp, int64_t rows, int64_t vocab, float* bp, int64_t* i
 #ifdef PAGEDSERVE_AVX512
       for (const __m512 mv = _mm512_set1_ps(m); at + 16 <= vocab; at += 16) {
         const __mmask16 hit = _mm512_cmp_ps_mask(pagedserve::load16(x + at), mv, _CMP_EQ_OQ);
+        if (hit) { at += __builtin_ctz(hit); break; }
+      }
+#elif defined(PAGEDSERVE_AVX2)
+      for (const __m256 mv = _mm256_set1_ps(m); at + 8 <= vocab; at += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(pagedserve::load8(x + at), mv, _CMP_EQ_OQ));
         if (hit) { at += __builtin_ctz(hit); break; }
       }
 #endif
@@ -349,6 +365,12 @@ void greedy_rows(const T* lp, int64_t rows, int64_t vocab, float* bp, int64_t* i
       for (; i + 16 <= vocab; i += 16)
         total = _mm512_add_ps(total, pagedserve::exp16(_mm512_sub_ps(pagedserve::load16(x + i), mv)));
       sum = _mm512_reduce_add_ps(total);
+#elif defined(PAGEDSERVE_AVX2)
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 total = _mm256_setzero_ps();
+      for (; i + 8 <= vocab; i += 8)
+        total = _mm256_add_ps(total, pagedserve::exp8(_mm256_sub_ps(pagedserve::load8(x + i), mv)));
+      sum = pagedserve::hsum8(total);
 #endif
       for (; i < vocab; ++i) sum += std::exp(to_float(x[i]) - m);
       sp[r] = m + std::log(sum);
