@@ -134,7 +134,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaForward:
     """hidden states [tokens, hidden] of the model's last norm for one step's flattened tokens."""
 
-    def __init__(self, model, fused: bool = True, codes: bool | dict = True, in_one_call: bool = True):
+    def __init__(self, model, fused: bool = True, codes: bool | dict = True):
         self.model = model.model
         # built for float32 and bfloat16 alike (unsupported_reason checked the type); the products
         # of a bfloat16 model take oneDNN's GEMM whatever the kernel module holds
@@ -161,7 +161,7 @@ class LlamaForward:
         self._route_cap = 1 + max([linear_ops.BF16_CODES_MAX_ROWS] + [lin.skinny_max_rows for lin in self.linears()])
         self._route_cache: dict[int, list[tuple]] = {}
         self._pool, self._pool_views, self._layers_pool = None, [], None
-        self.coded_layers = self._coded_layers() if in_one_call else None
+        self.coded_layers = self._coded_layers()
         self.rotary = _Rotary(self.model.rotary_emb, getattr(model.config, "max_position_embeddings", 0) or 0,
                               weight.dtype)
 
