@@ -160,7 +160,7 @@ class LlamaForward:
         self.post_norms = [(layer.post_norm.weight, layer.post_norm.variance_epsilon) for layer in self.layers]
         self._route_cap = 1 + max([linear_ops.BF16_CODES_MAX_ROWS] + [lin.skinny_max_rows for lin in self.linears()])
         self._route_cache: dict[int, list[tuple]] = {}
-        self._pool, self._pool_views, self._layers_pool = None, [], None
+        self._pool, self._pool_views = None, []
         self.coded_layers = self._coded_layers()
         self.rotary = _Rotary(self.model.rotary_emb, getattr(model.config, "max_position_embeddings", 0) or 0,
                               weight.dtype)
@@ -195,7 +195,6 @@ class LlamaForward:
         residual = m.embed_tokens(input_ids)                                 # [tokens, hidden], a new tensor
         cos, sin = self.rotary.cos_sin(residual, positions)
         tokens = residual.shape[0]
-        routes = self._routes(tokens)
         caches = self._caches(ctx.kv_pool)
         rows, one_row = ctx.kernel_rows, ctx.one_row
         # the attention in two calls (rotary_store, paged_decode) when the kernel takes every query row
@@ -203,11 +202,9 @@ class LlamaForward:
         # each residual add is done in place together with the next norm
         x = ops.add_rms_norm(residual, None, *self.norms[0])
         if fused and self.coded_layers is not None:
-            if self._layers_pool is not ctx.kv_pool:
-                self.coded_layers.set_caches([cache for pair in caches for cache in pair])
-                self._layers_pool = ctx.kv_pool
             return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
                                              rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None)
+        routes = self._routes(tokens)
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]
             k_cache, v_cache = caches[index]
@@ -257,9 +254,11 @@ class LlamaForward:
         return routes
 
     def _caches(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (K, V) views of the pool, made once per pool."""
+        """Each layer's (K, V) views of the pool, made once per pool (and handed to the one call then)."""
         if self._pool is not pool:
             self._pool, self._pool_views = pool, [(pool[i][0], pool[i][1]) for i in range(len(self.layers))]
+            if self.coded_layers is not None:
+                self.coded_layers.set_caches([cache for pair in self._pool_views for cache in pair])
         return self._pool_views
 
 
