@@ -82,6 +82,28 @@ void tile(const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64
     for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = pagedserve::from_float<bf16>(fold(sums[r][c]));
 }
 
+// One row: output after output, each row of W read once front to back with its eight running sums in
+// registers as four (a, b) pairs; the same sums as tile<1, C>, which walks a row four times (once per
+// pair) and has too few chains in flight to keep up with memory
+void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
+  __m256 acc_a[4], acc_b[4];
+  for (int t = 0; t < 4; ++t) acc_a[t] = acc_b[t] = _mm256_setzero_ps();
+  const bf16* row = w + n * K;
+  for (int64_t k = 0; k < K; k += kBlock)
+    for (int t = 0; t < 4; ++t) {
+      __m256 wa, wb;
+      widen16(row + k + 2 * t * kLanes, wa, wb);
+      acc_a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 2 * t * kLanes), wa, acc_a[t]);
+      acc_b[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + k + 2 * t * kLanes + kLanes), wb, acc_b[t]);
+    }
+  __m256 sums[kSums];
+  for (int t = 0; t < 4; ++t) {
+    sums[2 * t] = _mm256_permute2f128_ps(acc_a[t], acc_b[t], 0x20);
+    sums[2 * t + 1] = _mm256_permute2f128_ps(acc_a[t], acc_b[t], 0x31);
+  }
+  y[n] = pagedserve::from_float<bf16>(fold(sums));
+}
+
 template <int R>
 void tile_cols(int64_t cols, const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   switch (cols) {
@@ -116,6 +138,12 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   const float* xf = widened.data();
   const auto* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+  if (M == 1) {
+    at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) one_row(xf, wp, yp, n, K);
+    });
+    return y;
+  }
   const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
