@@ -29,7 +29,8 @@
 // the hardware cannot guess them): 30 layers of a 64-sequence step at context 128, K/V from memory,
 // 21.9-22.1 against 26.1-27.4 ms without. Otherwise, with AVX2+FMA (and head_dim a multiple of 8)
 // the dot products, exponentials and value sums are vectorized by hand in eight lanes (a query head's
-// value sums in registers, value_slice8); without, plain loops do the same arithmetic.
+// value sums in registers, value_slice8, in torch's SDPA steps too), and the walks ask for the next
+// block's rows ahead as the AVX-512 walk does; without, plain loops do the same arithmetic.
 #include "aten.h"
 
 #include <algorithm>
@@ -264,10 +265,25 @@ inline __m512 fast_exp16(__m512 x) {
   bits = _mm512_mask_mov_epi32(bits, high, _mm512_set1_epi32(0x7F800000));
   return _mm512_castsi512_ps(bits);
 }
+#elif defined(PAGEDSERVE_AVX2)
+// the same, eight at once (each lane as fast_exp16's)
+inline __m256 fast_exp8(__m256 x) {
+  const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(kFastLow), _CMP_LT_OS);
+  const __m256 high = _mm256_cmp_ps(x, _mm256_set1_ps(kFastHigh), _CMP_GT_OS);
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(kFastLog2e));
+  const __m256 f = _mm256_sub_ps(y, _mm256_round_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  __m256 r = _mm256_fmadd_ps(f, _mm256_set1_ps(kFast3), _mm256_set1_ps(kFast2));
+  r = _mm256_fmadd_ps(f, r, _mm256_set1_ps(kFast1));
+  r = _mm256_fmadd_ps(f, r, _mm256_set1_ps(kFast0));
+  const __m256 t = _mm256_fmadd_ps(_mm256_set1_ps(kTwo23), _mm256_sub_ps(y, r), _mm256_set1_ps(kTwo23x127));
+  __m256 bits = _mm256_castsi256_ps(_mm256_cvttps_epi32(t));
+  bits = _mm256_andnot_ps(low, bits);
+  return _mm256_blendv_ps(bits, _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000)), high);
+}
 #endif
 
-// The passes of one block over a row's scores, each sixteen at a time where the build has AVX-512, the
-// same values either way (elementwise, or a maximum).
+// The passes of one block over a row's scores, sixteen at a time where the build has AVX-512 and eight
+// where it has AVX2, the same values every way (elementwise, or a maximum).
 
 // in place: s[i] *= scale for i < n; returns their maximum
 inline float scale_and_max(float* s, int64_t n, float scale) {
@@ -281,6 +297,16 @@ inline float scale_and_max(float* s, int64_t n, float scale) {
     vmax = _mm512_max_ps(vmax, v);
   }
   max = _mm512_reduce_max_ps(vmax);
+#elif defined(PAGEDSERVE_AVX2)
+  __m256 vmax = _mm256_set1_ps(max);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(s + i, v);
+    vmax = _mm256_max_ps(vmax, v);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  max = *std::max_element(lanes, lanes + 8);
 #endif
   for (; i < n; ++i) {
     s[i] *= scale;
@@ -296,6 +322,10 @@ inline void fast_exp_shifted(float* s, int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(s + i, fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+#elif defined(PAGEDSERVE_AVX2)
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv)));
 #endif
   for (; i < n; ++i) s[i] = fast_exp(s[i] - m);
 }
@@ -317,6 +347,16 @@ inline float lane_sum(const float* s, int64_t n, int64_t lanes) {
     _mm512_storeu_ps(lane[0], even);
     _mm512_storeu_ps(lane[1], odd);
   }
+#elif defined(PAGEDSERVE_AVX2)
+  if (lanes == 8) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      even = _mm256_add_ps(even, _mm256_loadu_ps(s + i));
+      odd = _mm256_add_ps(odd, _mm256_loadu_ps(s + i + 8));
+    }
+    _mm256_storeu_ps(lane[0], even);
+    _mm256_storeu_ps(lane[1], odd);
+  }
 #endif
   for (; i < n; ++i) lane[(i / lanes) % 2][i % lanes] += s[i];
   for (int64_t k = 0; k < lanes; ++k) lane[0][k] += lane[1][k];
@@ -331,6 +371,9 @@ inline void round_to_bf16(float* s, int64_t n) {
 #ifdef PAGEDSERVE_AVX512
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(s + i, pagedserve::rounded16<pagedserve::bf16>(_mm512_loadu_ps(s + i)));
+#elif defined(PAGEDSERVE_AVX2)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, pagedserve::rounded8<pagedserve::bf16>(_mm256_loadu_ps(s + i)));
 #endif
   for (; i < n; ++i) s[i] = pagedserve::rounded<pagedserve::bf16>(s[i]);
 }
@@ -372,17 +415,31 @@ inline bool sdpa_order(const Shape& sh) {
 // The weighted sum of the value rows (float32, or bfloat16 widened) for one query head, dimensions
 // [d0, d0 + 8 S) of KV head h, its S eight-lane sums in registers while the walk goes (axpy would load
 // and store them at every position): the same FMAs in the same order as axpy's, so the same bits.
-// out[0 .. 8 S) = the sums * inv_sum, rounded to T.
+// With `rescale` (torch's SDPA steps), the sums are multiplied by rescale[b] before the first position of
+// each block b >= 1 of kSdpaBlock, as the walk in memory does. out[0 .. 8 S) = the sums * inv_sum, rounded to T.
+// `ahead`: ask for the next block's rows while walking (the first of the query heads that share the rows).
 template <int S, typename T>
 void value_slice8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
-                  int64_t h, int64_t d0, const float* w, float inv_sum, T* out) {
+                  int64_t h, int64_t d0, const float* w, float inv_sum, const float* rescale, bool ahead, T* out) {
   __m256 acc[S];
   for (int s = 0; s < S; ++s) acc[s] = _mm256_setzero_ps();
-  walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+  const auto add = [&](int64_t p, const T* row) {
     const T* v = row + h * sh.head_dim + d0;
     const __m256 wv = _mm256_set1_ps(w[p]);
     for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(wv, pagedserve::load8(v + 8 * s), acc[s]);
-  });
+  };
+  const int64_t offset = ahead ? h * sh.head_dim + d0 : -1, values = ahead ? 8 * S : 0;
+  if (rescale == nullptr) {
+    walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, add, offset, values);
+  } else {
+    walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
+      if (p > 0 && p % kSdpaBlock == 0) {
+        const __m256 factor = _mm256_set1_ps(rescale[p / kSdpaBlock]);
+        for (int s = 0; s < S; ++s) acc[s] = _mm256_mul_ps(acc[s], factor);
+      }
+      add(p, row);
+    }, offset, values);
+  }
   const __m256 inv = _mm256_set1_ps(inv_sum);
   for (int s = 0; s < S; ++s) pagedserve::store8(out + 8 * s, _mm256_mul_ps(acc[s], inv));
 }
@@ -390,18 +447,18 @@ void value_slice8(const Shape& sh, const T* vc, const int32_t* table, int64_t be
 // value_slice8 over every dimension of query head j of the item (head_dim a multiple of 8), 64 at a time
 template <typename T>
 void values8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
-             int64_t h, const float* w, float inv_sum, T* out) {
+             int64_t h, const float* w, float inv_sum, const float* rescale, bool ahead, T* out) {
   for (int64_t d0 = 0; d0 < sh.head_dim; d0 += 64) {
     T* o = out + d0;
     switch (std::min<int64_t>(8, (sh.head_dim - d0) / 8)) {
-      case 1: value_slice8<1>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      case 2: value_slice8<2>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      case 3: value_slice8<3>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      case 4: value_slice8<4>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      case 5: value_slice8<5>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      case 6: value_slice8<6>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      case 7: value_slice8<7>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
-      default: value_slice8<8>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, o); break;
+      case 1: value_slice8<1>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      case 2: value_slice8<2>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      case 3: value_slice8<3>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      case 4: value_slice8<4>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      case 5: value_slice8<5>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      case 6: value_slice8<6>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      case 7: value_slice8<7>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+      default: value_slice8<8>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
     }
   }
 }
@@ -433,7 +490,7 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; ++j)
         scores[j * len + p] = sdpa ? dot_any<kVector>(qj[j], k, D) : sh.scale * dot_any<kVector>(qj[j], k, D);
     }
-  });
+  }, h0 * D, (h1 - h0) * D);
   float inv_sum[64];
   const int64_t blocks = sdpa ? (len + kSdpaBlock - 1) / kSdpaBlock : 0;
   std::vector<float> rescale(nq * blocks);
@@ -441,10 +498,10 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     inv_sum[j] = sdpa ? sdpa_weights(scores.data() + j * len, len, end, sh.scale, sh.lanes, rescale.data() + j * blocks)
                       : finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
 #ifdef PAGEDSERVE_AVX2
-  if (kVector && !sdpa) {
+  if (kVector) {
     for (int64_t j = 0; j < nq; ++j)
       values8(sh, vc, table, begin, full_len, h0 + j / G, scores.data() + j * len, inv_sum[j],
-              o + tok * sh.o_tok + (h0 * G + j) * sh.o_head);
+              sdpa ? rescale.data() + j * blocks : nullptr, j % G == 0, o + tok * sh.o_tok + (h0 * G + j) * sh.o_head);
     return;
   }
 #endif
