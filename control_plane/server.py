@@ -3,6 +3,7 @@ plane (behind a Router when there are several), serve the REST API, drain and st
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -88,6 +89,9 @@ async def serve_until_stopped(engine, cp: C.ControlPlaneConfig, stop: asyncio.Ev
              cp.port, what, names)
     log.info("%s", generation_defaults.describe(cp))
 
+    # the tokenizer, the app and the modules loaded so far live as long as the process: frozen, they are
+    # not walked again by every full collection while requests are served
+    gc.freeze()
     engine_task = asyncio.create_task(engine.run())
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([engine_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
