@@ -149,6 +149,7 @@ def assert_clean_exit(server, child):
     assert gone(child), "the data plane still runs"
     log = server.log_all()
     assert "Traceback" not in log, log[-3000:]
+    assert "leaked" not in log, log[-3000:]   # extension objects left unfreed at the data plane's exit
     return log
 
 
