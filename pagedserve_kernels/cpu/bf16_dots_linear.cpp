@@ -10,24 +10,25 @@
 // Every product of two bfloat16 values is exact in float32, so a fused or a plain multiply-add give
 // the same sums. Each output depends on its own row and column only: no batch effects.
 //
-// torch's GEMM computes output after output without reusing a loaded weight across rows; here a tile
-// of 3 rows x 2 outputs takes the running sums of two vector positions v = 2t, 2t + 1 at a time (12
-// registers), so each weight loaded feeds 3 rows, and x is widened to float32 once. Sixteen bfloat16
-// weights are widened by two unpacks with zeros, which leave them in the lane order (0-3, 8-11) and
-// (4-7, 12-15): x is widened in that order too, and the running sums, lane for lane the same, are put
-// back in place before they are folded. K must be a multiple of 64 (the tails torch adds after the
-// blocks are not followed; ops/linear.py routes other shapes to torch).
+// torch's GEMM computes output after output without reusing a loaded weight across rows; here a tile of
+// 4 rows x 2 outputs takes one vector position v at a time over the whole row (8 running sums in
+// registers), so each weight vector is loaded and widened once for 4 rows; the 8 positions' sums then
+// fold as above. One row (a decode step alone) walks each weight row once instead, its eight running
+// sums in registers as four pairs: sixteen bfloat16 weights widened by two unpacks with zeros, which
+// leave them in the lane order (0-3, 8-11) and (4-7, 12-15), x widened in that order too, and the sums
+// put back in place before they fold. x is widened into a 64-byte aligned buffer: from a 16-byte
+// aligned one, half of the 32-byte loads of x straddled two cache lines. K must be a multiple of 64
+// (the tails torch adds after the blocks are not followed; ops/linear.py routes other shapes to torch).
 #include "aten.h"
 
 #include <algorithm>
-#include <vector>
 
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t kBlock = 64, kLanes = 8, kSums = kBlock / kLanes;
-constexpr int64_t kTileRows = 3, kTileCols = 2, kPanelCols = 32;
+constexpr int64_t kTileRows = 4, kTileCols = 2, kPanelCols = 32;
 
 #ifdef PAGEDSERVE_AVX2
 using pagedserve::bf16;
@@ -53,38 +54,40 @@ inline float fold(const __m256* s) {
   return _mm256_cvtss_f32(t);
 }
 
-// rows [m0, m0 + R) x outputs [n0, n0 + C): xf is x widened in widen16's order (per 16 inputs, its `a`
-// then its `b`), sums[r][c][v] the running sums
+// rows [m0, m0 + R) x outputs [n0, n0 + C), xf x widened in input order: one pass per vector position v
+// over the blocks, its R x C running sums in registers
 template <int R, int C>
 void tile(const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
   __m256 sums[R][C][kSums];
-  for (int64_t t = 0; t < kSums / 2; ++t) {
-    __m256 acc_a[R][C], acc_b[R][C];
+  for (int v = 0; v < kSums; ++v) {
+    __m256 acc[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc_a[r][c] = acc_b[r][c] = _mm256_setzero_ps();
-    for (int64_t k = 2 * t * kLanes; k < K; k += kBlock)
-      for (int c = 0; c < C; ++c) {
-        __m256 wa, wb;
-        widen16(w + (n0 + c) * K + k, wa, wb);
-        for (int r = 0; r < R; ++r) {
-          acc_a[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k), wa, acc_a[r][c]);
-          acc_b[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes), wb, acc_b[r][c]);
-        }
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = v * kLanes; k < K; k += kBlock) {
+      __m256 wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = pagedserve::load8(w + (n0 + c) * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(xf + (m0 + r) * K + k);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
       }
-    // a's lanes 0-3 are inputs 0-3 of vector 2t, its lanes 4-7 inputs 0-3 of vector 2t + 1; b's, 4-7 of each
+    }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) {
-        sums[r][c][2 * t] = _mm256_permute2f128_ps(acc_a[r][c], acc_b[r][c], 0x20);
-        sums[r][c][2 * t + 1] = _mm256_permute2f128_ps(acc_a[r][c], acc_b[r][c], 0x31);
-      }
+      for (int c = 0; c < C; ++c) sums[r][c][v] = acc[r][c];
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = pagedserve::from_float<bf16>(fold(sums[r][c]));
 }
 
+// tile<R, C> for the rows and columns left, R <= kTileRows and C <= kTileCols
+template <int R>
+void tile_cols(int64_t cols, const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+  if (cols >= kTileCols) tile<R, kTileCols>(xf, w, y, m0, n0, K, N);
+  else tile<R, 1>(xf, w, y, m0, n0, K, N);
+}
+
 // One row: output after output, each row of W read once front to back with its eight running sums in
-// registers as four (a, b) pairs; the same sums as tile<1, C>, which walks a row four times (once per
-// pair) and has too few chains in flight to keep up with memory
+// registers as four (a, b) pairs; the same sums as tile<1, C>, which walks a row once per vector
+// position with too few chains in flight to keep up with memory
 void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
   __m256 acc_a[4], acc_b[4];
   for (int t = 0; t < 4; ++t) acc_a[t] = acc_b[t] = _mm256_setzero_ps();
@@ -104,13 +107,6 @@ void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
   y[n] = pagedserve::from_float<bf16>(fold(sums));
 }
 
-template <int R>
-void tile_cols(int64_t cols, const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
-  switch (cols) {
-    case 1: tile<R, 1>(xf, w, y, m0, n0, K, N); break;
-    default: tile<R, kTileCols>(xf, w, y, m0, n0, K, N); break;
-  }
-}
 #endif
 
 }  // namespace
@@ -125,17 +121,20 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_AVX2
   if (M == 0 || N == 0) return y;
-  std::vector<float> widened(M * K);
+  // x as float32: in widen16's lane order for one row, in input order for the tiles
+  const at::Tensor widened = at::empty({M, K}, x.options().dtype(at::kFloat));
+  float* xw = widened.data_ptr<float>();
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0 * K; i < r1 * K; i += 2 * kLanes) {
       __m256 a, b;
-      widen16(xp + i, a, b);
-      _mm256_storeu_ps(widened.data() + i, a);
-      _mm256_storeu_ps(widened.data() + i + kLanes, b);
+      if (M == 1) widen16(xp + i, a, b);
+      else a = pagedserve::load8(xp + i), b = pagedserve::load8(xp + i + kLanes);
+      _mm256_storeu_ps(xw + i, a);
+      _mm256_storeu_ps(xw + i + kLanes, b);
     }
   });
-  const float* xf = widened.data();
+  const float* xf = xw;
   const auto* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   if (M == 1) {
@@ -155,6 +154,7 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
           switch (rows) {
             case 1: tile_cols<1>(cols, xf, wp, yp, m0, n0, K, N); break;
             case 2: tile_cols<2>(cols, xf, wp, yp, m0, n0, K, N); break;
+            case 3: tile_cols<3>(cols, xf, wp, yp, m0, n0, K, N); break;
             default: tile_cols<kTileRows>(cols, xf, wp, yp, m0, n0, K, N); break;
           }
         }
