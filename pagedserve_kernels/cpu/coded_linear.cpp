@@ -119,16 +119,21 @@ inline __m256 high_weights8(__m256i both, __m256 d, __m256 m) {
 template <typename T> inline __m256 weight8(__m256 v) { return pagedserve::rounded8<T>(v); }
 #endif
 
-// the buffer of one thread: 48 floats per input, 64-byte aligned
-float* panel_buffer(int64_t K) {
+// the buffer of one thread, at least `floats` long, 64-byte aligned: the tiles' 32- and 64-byte loads
+// from it never straddle two cache lines
+float* thread_buffer(int64_t floats) {
   thread_local std::unique_ptr<float, decltype(&std::free)> buf(nullptr, &std::free);
   thread_local int64_t size = 0;
-  if (size < K * kPanel) {
-    buf.reset(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * K * kPanel)));
-    size = K * kPanel;
+  if (size < floats) {
+    const int64_t bytes = (sizeof(float) * floats + 63) / 64 * 64;   // aligned_alloc takes whole alignments
+    buf.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    size = floats;
   }
   return buf.get();
 }
+
+// the panel's buffer: 48 floats per input
+float* panel_buffer(int64_t K) { return thread_buffer(K * kPanel); }
 
 using pagedserve::bf16;
 using pagedserve::rounded;
@@ -319,20 +324,19 @@ template <typename T>
 void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t groups) {
   const int64_t K = w.K, N = groups * kGroup;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> buf, acc;
-    buf.resize(kChunk8 * kWide8);
-    acc.resize(M * kWide8);
+    float* const buf = thread_buffer(kChunk8 * kWide8 + M * kWide8);   // a chunk's weights, then the sums
+    float* const acc = buf + kChunk8 * kWide8;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t g0 = 2 * p, count = std::min<int64_t>(2, groups - g0);
       for (int64_t k0 = 0; k0 < K; k0 += kChunk8) {
         const int64_t k1 = std::min(K, k0 + kChunk8);
-        expand_chunk8<T>(w, g0, count, k0, k1, buf.data(), kWide8);
+        expand_chunk8<T>(w, g0, count, k0, k1, buf, kWide8);
         for (int64_t v = 0; v < count; ++v)
-          chunk_rows8(x, buf.data() + v * kGroup, acc.data() + v * kGroup, M, k0, k1, K);
+          chunk_rows8(x, buf + v * kGroup, acc + v * kGroup, M, k0, k1, K);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t u = 0; u < 2 * count; ++u)
-          pagedserve::store8(y + m * N + g0 * kGroup + 8 * u, _mm256_loadu_ps(acc.data() + m * kWide8 + 8 * u));
+          pagedserve::store8(y + m * N + g0 * kGroup + 8 * u, _mm256_loadu_ps(acc + m * kWide8 + 8 * u));
     }
   });
 }
