@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     from data_plane import metrics
     stats = metrics.DataPlaneStats(runner.handshake())
     metrics.start_metrics_server(stats, config.metrics_port, metrics.metrics_host(config.listen))
-    # what loading left (the model, the GGUF reader's fields, the kernels' routes) lives as long as the
-    # process: frozen, out of the collector's reach, so that a full collection walks only what serving
-    # made since instead of stalling a step for a third of a second now and then
+    # what loading left (the model and whatever its loading made) lives as long as the process: frozen,
+    # out of the collector's reach, so that a full collection walks only what serving made since instead
+    # of stalling a step for a walk over all of it
     gc.collect()
     gc.freeze()
     gc.enable()
