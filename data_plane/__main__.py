@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -23,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         from data_plane import tp_launch
         return tp_launch.main(config, sys.argv[1:] if argv is None else argv)
     import torch
+    from data_plane import collector
     from data_plane.model_runner import ModelRunner, load_model, resolve_device
     from data_plane.worker import Worker
     if config.num_threads:
@@ -30,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(config.device)
     log = logging.getLogger("pagedserve.data_plane")
     log.info("loading %s (%s) on %s", config.model, config.dtype, device)
-    # loading makes hundreds of thousands of objects that all live on, each pass of the collector over
-    # them for nothing: it waits until they are frozen below
-    gc.disable()
+    collector.hold()
     try:
         model = load_model(config, device)   # refuses a model it cannot serve exactly
         runner = ModelRunner(model, config, device)
@@ -42,18 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from data_plane import metrics
     stats = metrics.DataPlaneStats(runner.handshake())
     metrics.start_metrics_server(stats, config.metrics_port, metrics.metrics_host(config.listen))
-    # what loading left (the model and whatever its loading made) lives as long as the process: frozen,
-    # out of the collector's reach, so that a full collection walks only what serving made since instead
-    # of stalling a step for a walk over all of it
-    gc.collect()
-    gc.freeze()
-    gc.enable()
-    try:
+    with collector.serving():
         Worker(runner, config.listen, stats, curve_keys=config.curve_keys).serve_forever()
-    finally:
-        # back within reach for the interpreter's last collection: extension objects it never frees
-        # are reported as leaks at exit (nanobind's, Triton's)
-        gc.unfreeze()
     return 0
 
 

@@ -183,6 +183,7 @@ def _serve(config: DataPlaneConfig, rank: int, world: int, local_rank: int) -> i
     import torch
     import torch.distributed as dist
 
+    from data_plane import collector
     from data_plane import tensor_parallel as TP
     from data_plane import tp_worker
     from data_plane.model_runner import ModelRunner, load_model, resolve_device
@@ -198,6 +199,7 @@ def _serve(config: DataPlaneConfig, rank: int, world: int, local_rank: int) -> i
                             device_id=device if device.type == "cuda" else None)
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     comm = TP.Comm(rank, world, dist.group.WORLD, cpu_group)
+    collector.hold()
     model = load_model(config, torch.device("cpu"))
     num_split = TP.shard_model(model, comm)
     model = model.to(device)
@@ -206,12 +208,14 @@ def _serve(config: DataPlaneConfig, rank: int, world: int, local_rank: int) -> i
     runner = ModelRunner(model, config, device, sample=TP.follow_sampling(comm))
     _agree_on_pool_sizes(runner, comm)
     if rank != 0:
-        return tp_worker.follow(runner, comm)
+        with collector.serving():
+            return tp_worker.follow(runner, comm)
     from data_plane import metrics
     stats = metrics.DataPlaneStats(runner.handshake())
     metrics.start_metrics_server(stats, config.metrics_port, metrics.metrics_host(config.listen))
     extra = {"curve_keys": config.curve_keys} if getattr(config, "curve_keys", None) else {}
-    tp_worker.LeaderWorker(runner, comm, config.listen, stats, **extra).serve_forever()
+    with collector.serving():
+        tp_worker.LeaderWorker(runner, comm, config.listen, stats, **extra).serve_forever()
     return 0
 
 
