@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     head = model.get_output_embeddings()
     greedy = greedy_head.build(head, kernel)
     if greedy is None:
-        print("not run: no greedy head here (no AVX512-VNNI in this build, or the output layer is not Q8_0 codes)")
+        print("not run: no greedy head here (neither AVX512-VNNI nor AVX2 in this build, "
+              "or the output layer is not Q8_0 codes)")
         return 1
     codes = greedy.codes
     with torch.inference_mode():
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             best, index, _ = kernel.greedy_logsumexp(kernel.coded_linear(x, codes.codes, codes.scales, None))
             t1 = time.perf_counter()
-            tokens, logits, counts = kernel.q8_argmax(x, greedy.packed, codes.codes, codes.scales, greedy.absums)
+            tokens, logits, counts = kernel.q8_argmax(x, greedy.packed, codes.codes, codes.scales, greedy.absums,
+                                                      greedy.norms)
             t2 = time.perf_counter()
             full_times.append(t1 - t0)
             head_times.append(t2 - t1)

@@ -136,14 +136,17 @@ def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) 
     runner = C.default_runner(num_threads, "inproc://kernels-ab-greedy", kv_cache_blocks=16)
     head = runner.greedy_head
     if head is None:
-        print("\nthe greedy head: not run (no AVX512-VNNI in this build, or the output layer is not Q8_0 codes)")
+        print("\nthe greedy head: not run (neither AVX512-VNNI nor AVX2 in this build, "
+              "or the output layer is not Q8_0 codes)")
         return
     codes = head.codes
     gen = torch.Generator().manual_seed(2)
 
     def run_for(rows: int):
         x = torch.randn(rows, codes.codes.shape[1], generator=gen)
-        return lambda module: module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums)
+        # a module from before the bound's norms takes five arguments, as its doc string shows
+        return lambda module: module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums,
+                                               *((head.norms,) if "arg5" in module.q8_argmax.__doc__ else ()))
     rows_table("the greedy head (q8_argmax over the Q8_0 output layer), random rows", before, after, rows_list,
                repeats, run_for)
 

@@ -103,8 +103,8 @@ class ModelRunner:
             if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
         if self.greedy_head is not None:
             log.info("greedy head: greedy rows that ask for no log-prob take their token from an int8 first pass "
-                     "and the exact logits of its few candidates (%.1f MiB laid out for AVX512-VNNI)",
-                     self.greedy_head.nbytes / 2**20)
+                     "and the exact logits of its few candidates (%.1f MiB laid out for %s), from %d rows",
+                     self.greedy_head.nbytes / 2**20, self.greedy_head.kind, self.greedy_head.min_rows)
         self.graphs = None
         # (not for state layers: their per-sequence forward is not captured; nor with layer groups, whose tables
         # the graphs do not hold: so the graphs' steps run on a pool whose slab of a layer is the layer's index)
@@ -468,7 +468,7 @@ class ModelRunner:
         logits and the sampler."""
         draws: list = [None] * len(inputs)
         quick = [i for i, row in enumerate(inputs) if sampler.argmax_only(row)] if self.greedy_head else []
-        if len(quick) >= greedy_head.MIN_ROWS:
+        if quick and len(quick) >= self.greedy_head.min_rows:
             index = torch.tensor(quick, device=self.device)
             tokens, _ = self.greedy_head.tokens(hidden_rows.index_select(0, index))
             for i, token in zip(quick, tokens):

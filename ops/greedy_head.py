@@ -4,8 +4,8 @@ A greedy row whose request asked for no log-probs needs only the first index of 
 the output layer is float32 GGUF Q8_0 codes (the default model's tied embedding), the kernel
 pagedserve_kernels/cpu/greedy_head.cpp finds it from an integer first pass with a proven error bound and the exact
 logits of the few outputs that bound leaves in the running: the token, and its logit, have the bits the
-full product gives. Needs AVX512-VNNI (`has_q8_argmax`); elsewhere, and with PAGEDSERVE_GREEDY_HEAD=0,
-every row takes the full logits.
+full product gives. Needs AVX512-VNNI or AVX2 (`has_q8_argmax`, `q8_argmax_kind`); elsewhere, and with
+PAGEDSERVE_GREEDY_HEAD=0, every row takes the full logits.
 """
 from __future__ import annotations
 
@@ -16,10 +16,23 @@ import torch
 from ops import quantized
 
 
-# Fewer rows than this take the full logits: up to 4 rows the full product is coded_linear's few-row path,
-# bound by reading the layer's 28 MiB, which the first pass reads as well (bench/greedy_head.py: no gain
-# at 1-4 rows, about half the time from 6 on)
-MIN_ROWS = 5
+# Fewer rows than this, by the kernel's first pass, take the full logits: there the full product is
+# coded_linear's few-row path, bound by reading the layer's 28 MiB, which the first pass reads as well
+# (bench/greedy_head.py). AVX512-VNNI: no gain at 1-4 rows. AVX2 (two instructions for VNNI's one, and a
+# wider bound): no gain up to 8 rows, where the full product keeps its weights in registers.
+MIN_ROWS = {"avx512_vnni": 5, "avx2": 9}
+
+
+NORM_GROUPS = 256   # groups of 16 rows a time: their float64 weights a few MB, where a whole layer's are hundreds
+
+
+def _norms_up(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The Euclidean norms of blocks of weights scale * code, codes [G, B, 32, 16] and scales [G, B, 16]:
+    in float64 (each weight exact there, as in float32), then rounded up to float32, so that the bound they
+    weigh is never less than the real one."""
+    norms = (codes.double() * scales.double()[:, :, None, :]).pow(2).sum(2).sqrt()
+    rounded = norms.float()
+    return torch.where(rounded.double() < norms, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
 
 
 class GreedyHead:
@@ -27,24 +40,30 @@ class GreedyHead:
 
     def __init__(self, kernel, codes: quantized.Codes):
         self.kernel, self.codes = kernel, codes
+        self.kind = kernel.q8_argmax_kind()
+        self.min_rows = MIN_ROWS[self.kind]   # a step's greedy rows it serves, at least
         groups, k, lanes = codes.codes.shape
         # [N / 16, K / 4, 16, 4]: per group and four inputs, each row's four codes in one 32-bit lane,
         # plus 128 (the first pass multiplies unsigned bytes by the signed ones of x)
         self.packed = (codes.codes.view(groups, k // 4, 4, lanes).permute(0, 1, 3, 2).to(torch.int16) + 128) \
             .to(torch.uint8).contiguous()
-        # per row and block of 32 inputs, |scale| * sum |code|: the bound's weight of that block's error
+        # per row and block of 32 inputs, |scale| * sum |code|: the weight of the bound's share for float rounding
         blocks = codes.codes.view(groups, k // quantized.BLOCK, quantized.BLOCK, lanes)
         self.absums = (blocks.to(torch.int32).abs().sum(2).float() * codes.scales.float().abs()).contiguous()
+        # per row and block, the Euclidean norm of its weights: the bound's weight of x's rounding
+        self.norms = torch.empty_like(self.absums)
+        for g in range(0, groups, NORM_GROUPS):
+            self.norms[g:g + NORM_GROUPS] = _norms_up(blocks[g:g + NORM_GROUPS], codes.scales[g:g + NORM_GROUPS])
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.absums.numel() * 4
+        return self.packed.numel() + self.absums.numel() * 4 + self.norms.numel() * 4
 
     def tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Per row of float32 hidden [rows, K]: its greedy token (-1 where a value is not finite: that
         row needs the full logits), and how many logits were computed exactly."""
         tokens, _, counts = self.kernel.q8_argmax(hidden.contiguous(), self.packed, self.codes.codes,
-                                                  self.codes.scales, self.absums)
+                                                  self.codes.scales, self.absums, self.norms)
         return tokens.tolist(), counts.tolist()
 
 

@@ -28,8 +28,9 @@ at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
 bool has_q8_argmax();
+std::string q8_argmax_kind();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums);
+                                  at::Tensor absums, at::Tensor norms);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {
@@ -74,7 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());
   m.def("bf16_dots_linear", &bf16_dots_linear, "x [M, K] . W[N, K]^T in bfloat16 in the order of torch's own GEMM (its route where "
         "oneDNN has no bfloat16 for the CPU); K a multiple of 64; needs the AVX2 paths (vectorized)");
-  m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI)");
+  m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI or AVX2)");
+  m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
   pybind11::class_<CodedLayers>(m, "CodedLayers", "a float32 model's decoder layers whose every product is GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())

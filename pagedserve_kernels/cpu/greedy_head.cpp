@@ -2,26 +2,37 @@
 // scale * code, ops/quantized.py): the first index of the largest logit, with the bits the full product
 // (coded_linear) gives, without computing most of the 49,152 logits exactly.
 //
-// A first pass computes every logit approximately in integers: each block of 32 inputs of a row of x is
-// rounded to int8 codes q with its own scale s = max |x| / 127, and the output layer's own codes are
-// multiplied by them with VPDPBUSD, 64 products per instruction (16 float32 FMAs take one). Per block,
-// |x - s q| <= s / 2 (plus float rounding far below it), so each approximate logit is within
-// B_n = 0.51 * sum_b s_b * |scale_nb| * sum |codes of the block| of the real product, and the exact chain's
-// own rounding (a 576-term chain: under 1% of that) is inside the same margin. Only an output whose
-// upper end Q_n + B_n reaches the largest lower end max(Q_i - B_i) can be the argmax; those few are then
-// computed exactly, in coded_linear's order (the FMA chain over k = 0..K-1, each weight the rounded
-// product scale * code), and the first largest of them is the token. Activations whose blocks differ by
-// orders of magnitude (a few outlier channels) are why the scale is per block and not per row.
+// A first pass computes every logit approximately in integers: each block b of 32 inputs of a row of x is
+// rounded to int8 codes q with its own scale s_b = max |x| / 127, and the output layer's own codes are
+// multiplied by them with VPDPBUSD, 64 products per instruction (16 float32 FMAs take one). The
+// approximate logit Q_n is then the real product sum_k w_nk x_k less sum_k w_nk e_k, where e = x - s q is
+// the rounding of x, known per row; by Cauchy-Schwarz, per block, that difference is at most
+// |w_nb| |e_b| (Euclidean norms: the layer's computed once, x's when it is rounded). So the real product
+// is within B_n = sum_b (|w_nb| |e_b| + 0.01 s_b |scale_nb| sum |codes of the block|) of Q_n: the second
+// term covers every float rounding, the exact chain's own included (a 576-term chain: under half of it).
+// Only an output whose upper end Q_n + B_n reaches the largest lower end max(Q_i - B_i) can be the
+// argmax; those few are then computed exactly, in coded_linear's order (the FMA chain over k = 0..K-1,
+// each weight the rounded product scale * code), and the first largest of them is the token. Activations
+// whose blocks differ by orders of magnitude (a few outlier channels) are why the scale is per block and
+// not per row. (The bound per block s_b / 2 * sum |w_nb|, which assumes every e_k at its largest and of
+// w's sign, left several times the candidates on SmolLM2's states.)
 //
 // The first pass reads the codes plus 128 as unsigned bytes (VPDPBUSD multiplies unsigned by signed), laid
 // out [N / 16, K / 4, 16, 4]: for group g and inputs 4j..4j+3, the 16 rows' four codes, one 32-bit lane
 // per row; sum (c + 128) q = sum c q + 128 sum q, so each block's accumulator starts at -128 * sum q.
+//
+// Without AVX512-VNNI, AVX2 does the same pass in eight lanes with VPMADDUBSW, which adds two unsigned x
+// signed byte products into a saturating int16, then VPMADDWD by ones, which adds two of those into the
+// int32 lane: two instructions for what VPDPBUSD does in one, still about twice the products per cycle of
+// float32 FMAs. For the int16 never to saturate, 2 * 255 * |q| must stay under 32768, so x's codes there
+// span -64..64 (kLevels): e doubles, and with it the bound, which leaves more candidates.
 #include "aten.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -33,6 +44,9 @@
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
 #define PAGEDSERVE_Q8_ARGMAX 1
+#define PAGEDSERVE_Q8_ARGMAX_VNNI 1
+#elif defined(PAGEDSERVE_AVX2)
+#define PAGEDSERVE_Q8_ARGMAX 1
 #endif
 
 namespace {
@@ -40,21 +54,50 @@ namespace {
 constexpr int64_t kGroup = 16;
 constexpr int64_t kBlock = 32;
 constexpr int kTile = 4;            // rows of x per register tile
+constexpr float kSlack = 0.01f;     // the bound's share for every float rounding (above)
+#ifdef PAGEDSERVE_Q8_ARGMAX_VNNI
 constexpr int kTileGroups = 3;      // groups of 16 outputs per register tile: 12 accumulators, 12 sums
-constexpr float kMargin = 0.51f;    // 0.5 for the rounding of x to codes, 0.01 for every float rounding
+constexpr int32_t kLevels = 127;    // x's codes span -kLevels..kLevels
+#else
+constexpr int32_t kLevels = 64;     // VPMADDUBSW's int16 sums (see above)
+#endif
 
-// one row of x in int8 blocks: codes, per block scale and -128 * sum of the block's codes
+// the output layer as the kernel reads it (q8_argmax's arguments say the layouts)
+struct Head {
+  const uint8_t* packed;    // codes + 128, [N / 16, K / 4, 16, 4]
+  const at::Half* scales;   // [N / 16, K / 32, 16]
+  const float* absums;      // |scale| * sum |codes| per block, [N / 16, K / 32, 16]
+  const float* norms;       // the Euclidean norm of the block's weights, rounded up, [N / 16, K / 32, 16]
+};
+
+// one row of x in int8 blocks: codes, per block scale, -128 * sum of the block's codes and the norm of
+// the block's rounding x - s q
 struct QuantRows {
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> s;       // [M, K / 32]
   std::vector<int32_t> corr;  // [M, K / 32]
+  std::vector<float> err;     // [M, K / 32], rounded up
   std::vector<char> finite;   // [M]
 };
+
+// the norm of x_b - s q_b over a block, in double (each difference is exact there: s q has at most 32
+// significant bits and lies within s of x), rounded up to float
+float rounding_norm(const float* xb, const int8_t* qb, float s) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const double e = static_cast<double>(xb[i]) - static_cast<double>(s) * qb[i];
+    sum += e * e;
+  }
+  // sqrt and the sum's roundings are relative errors near 1e-15: a bump of 1e-6 covers them
+  const double norm = std::sqrt(sum) * (1.0 + 1e-6);
+  const float f = static_cast<float>(norm);
+  return static_cast<double>(f) >= norm ? f : std::nextafter(f, std::numeric_limits<float>::infinity());
+}
 
 QuantRows quantize(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = K / kBlock;
   QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<int32_t>(M * blocks),
-              std::vector<char>(M, 1)};
+              std::vector<float>(M * blocks), std::vector<char>(M, 1)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + m * K + b * kBlock;
@@ -63,23 +106,24 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
         if (!std::isfinite(xb[i])) r.finite[m] = 0;
         top = std::max(top, std::fabs(xb[i]));
       }
-      const float inv = 127.f / top;
+      const float inv = static_cast<float>(kLevels) / top;
       if (!r.finite[m] || !std::isfinite(inv)) {
-        // zeros, or values so small that 127 / max overflows: codes 0, and a "scale" whose half is the
-        // block's largest value, so that the bound still covers |x - 0|
+        // zeros, or values so small that kLevels / max overflows: codes 0, so e = x
         std::fill_n(r.q.data() + m * K + b * kBlock, kBlock, int8_t{0});
         r.s[m * blocks + b] = 2.f * top;
         r.corr[m * blocks + b] = 0;
+        r.err[m * blocks + b] = r.finite[m] ? rounding_norm(xb, r.q.data() + m * K + b * kBlock, 0.f) : 0.f;
         continue;
       }
       int32_t sum = 0;
       for (int64_t i = 0; i < kBlock; ++i) {
-        const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -127, 127);
+        const int32_t q = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -kLevels, kLevels);
         r.q[m * K + b * kBlock + i] = static_cast<int8_t>(q);
         sum += q;
       }
-      r.s[m * blocks + b] = top / 127.f;
+      r.s[m * blocks + b] = top / static_cast<float>(kLevels);
       r.corr[m * blocks + b] = -128 * sum;
+      r.err[m * blocks + b] = rounding_norm(xb, r.q.data() + m * K + b * kBlock, r.s[m * blocks + b]);
     }
   return r;
 }
@@ -91,11 +135,10 @@ struct Found {
   std::vector<std::vector<std::pair<int64_t, float>>> outputs;
 };
 
-#ifdef PAGEDSERVE_Q8_ARGMAX
+#ifdef PAGEDSERVE_Q8_ARGMAX_VNNI
 // the outputs of group g whose upper end reaches the row's largest lower end so far, given the row's
-// approximate logits and their bounds' sums
-inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, Found& found) {
-  const __m512 margin = _mm512_mul_ps(bound, _mm512_set1_ps(kMargin));
+// approximate logits and their bounds
+inline void keep_reaching(__m512 total, __m512 margin, int64_t m, int64_t g, Found& found) {
   float& lower = found.lower[m];
   lower = std::max(lower, _mm512_reduce_max_ps(_mm512_sub_ps(total, margin)));
   const __m512 upper = _mm512_add_ps(total, margin);
@@ -113,8 +156,7 @@ inline void keep_reaching(__m512 total, __m512 bound, int64_t m, int64_t g, Foun
 // R rows of x against C groups of 16 outputs from g: each weight load feeds R products and each
 // broadcast of x C of them (one load per product held VPDPBUSD to about a third of its rate)
 template <int R, int C, bool Ask>
-void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const at::Half* scales, const float* absums,
-                 int64_t g, int64_t K, Found& found) {
+void approx_tile(const QuantRows& xq, int64_t m0, const Head& head, int64_t g, int64_t K, float slack, Found& found) {
   const int64_t blocks = K / kBlock;
   __m512 total[R][C];
   for (int r = 0; r < R; ++r)
@@ -129,14 +171,15 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
     // (coded_linear.cpp's expand_pairs says why); the other tiles find these groups in the cache
     if constexpr (Ask)
       for (int c = 0; c < C; ++c) {
-        __builtin_prefetch(scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
-        __builtin_prefetch(absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+        __builtin_prefetch(head.scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+        __builtin_prefetch(head.absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+        __builtin_prefetch(head.norms + ((g + c + C) * blocks + b) * kGroup, 0, 3);
       }
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       __m512i w[C];
       for (int c = 0; c < C; ++c) {
-        if constexpr (Ask) __builtin_prefetch(packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
-        w[c] = _mm512_loadu_si512(packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
+        if constexpr (Ask) __builtin_prefetch(head.packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+        w[c] = _mm512_loadu_si512(head.packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
       }
       for (int r = 0; r < R; ++r) {
         int32_t four;
@@ -146,7 +189,7 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + ((g + c) * blocks + b) * kGroup)));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head.scales + ((g + c) * blocks + b) * kGroup)));
       for (int r = 0; r < R; ++r)
         total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), d),
                                       _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), total[r][c]);
@@ -154,52 +197,250 @@ void approx_tile(const QuantRows& xq, int64_t m0, const uint8_t* packed, const a
   }
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) {
-      __m512 bound = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b)
-        bound = _mm512_fmadd_ps(_mm512_loadu_ps(absums + ((g + c) * blocks + b) * kGroup),
-                                _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), bound);
-      keep_reaching(total[r][c], bound, m0 + r, g + c, found);
+      __m512 bound = _mm512_setzero_ps(), cover = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = ((g + c) * blocks + b) * kGroup, xb = (m0 + r) * blocks + b;
+        bound = _mm512_fmadd_ps(_mm512_loadu_ps(head.norms + at), _mm512_set1_ps(xq.err[xb]), bound);
+        cover = _mm512_fmadd_ps(_mm512_loadu_ps(head.absums + at), _mm512_set1_ps(xq.s[xb]), cover);
+      }
+      keep_reaching(total[r][c], _mm512_fmadd_ps(cover, _mm512_set1_ps(slack), bound), m0 + r, g + c, found);
     }
 }
 
 template <int C>
-void approx_rows(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales, const float* absums,
-                 int64_t g, int64_t K, Found& found) {
+void approx_rows(const QuantRows& xq, int64_t M, const Head& head, int64_t g, int64_t K, float slack, Found& found) {
   // the first tile of rows asks for the next groups (Ask), the others do not
   const auto tile = [&](auto ask, int64_t m0) {
     constexpr bool Ask = decltype(ask)::value;
     switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: approx_tile<1, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
-      case 2: approx_tile<2, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
-      case 3: approx_tile<3, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
-      default: approx_tile<4, C, Ask>(xq, m0, packed, scales, absums, g, K, found); break;
+      case 1: approx_tile<1, C, Ask>(xq, m0, head, g, K, slack, found); break;
+      case 2: approx_tile<2, C, Ask>(xq, m0, head, g, K, slack, found); break;
+      case 3: approx_tile<3, C, Ask>(xq, m0, head, g, K, slack, found); break;
+      default: approx_tile<4, C, Ask>(xq, m0, head, g, K, slack, found); break;
     }
   };
   if (M > 0) tile(std::true_type{}, 0);
   for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
 }
 
-void approx_groups(const QuantRows& xq, int64_t M, const uint8_t* packed, const at::Half* scales,
-                   const float* absums, int64_t g0, int64_t g1, int64_t K, Found& found) {
+void approx_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, int64_t g1, int64_t K, float slack,
+                   Found& found) {
   int64_t g = g0;
   for (; g + kTileGroups <= g1; g += kTileGroups)
-    approx_rows<kTileGroups>(xq, M, packed, scales, absums, g, K, found);
-  for (; g < g1; ++g) approx_rows<1>(xq, M, packed, scales, absums, g, K, found);
+    approx_rows<kTileGroups>(xq, M, head, g, K, slack, found);
+  for (; g < g1; ++g) approx_rows<1>(xq, M, head, g, K, slack, found);
+}
+
+// the first pass, each part's groups in one sweep
+void approx_all(const QuantRows& xq, int64_t M, const Head& head, int64_t groups, int64_t K, float slack,
+                int64_t parts, std::vector<Found>& found) {
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      approx_groups(xq, M, head, groups * p / parts, groups * (p + 1) / parts, K, slack, found[p]);
+  });
+}
+#elif defined(PAGEDSERVE_Q8_ARGMAX)
+
+// the outputs n0 .. n0 + 15 whose upper end reaches the row's largest lower end so far, given their
+// approximate logits and their bounds; the lower end is taken over all 16 outputs of the group first
+inline void keep_reaching(const float* total, const float* bound, int64_t m, int64_t n0, Found& found) {
+  float& lower = found.lower[m];
+  alignas(32) float up[kGroup];
+  for (int h = 0; h < 2; ++h) {
+    const __m256 margin = _mm256_loadu_ps(bound + 8 * h);
+    const __m256 total8 = _mm256_loadu_ps(total + 8 * h);
+    alignas(32) float low[8];
+    _mm256_store_ps(low, _mm256_sub_ps(total8, margin));
+    _mm256_store_ps(up + 8 * h, _mm256_add_ps(total8, margin));
+    for (float v : low) lower = std::max(lower, v);
+  }
+  for (int h = 0; h < 2; ++h) {
+    unsigned reach = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(up + 8 * h), _mm256_set1_ps(lower), _CMP_GE_OQ));
+    while (reach) {
+      const int l = __builtin_ctz(reach);
+      reach &= reach - 1;
+      found.outputs[m].emplace_back(n0 + 8 * h + l, up[8 * h + l]);
+    }
+  }
+}
+
+// R rows of x against group g's 16 outputs (two eight-lane halves), into totals[m * 16 + l]: per four
+// inputs, two loads of codes feed 2 R products of four, each a VPMADDUBSW and a VPMADDWD; R = 4 holds 8
+// accumulators, the codes, x and the ones in the sixteen registers, and the float totals wait in memory
+// between blocks. Per row, tops[m] gets the group's largest approximate logit.
+template <int R, bool Ask>
+void approx_tile(const QuantRows& xq, int64_t m0, const Head& head, int64_t g, int64_t next, int64_t K,
+                 float* totals, float* tops) {
+  const int64_t blocks = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  float (*total)[kGroup] = reinterpret_cast<float (*)[kGroup]>(totals + m0 * kGroup);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(total[r] + 8 * h, _mm256_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
+    // the first tile of rows asks for the next group's codes and scales at the place read here
+    // (coded_linear.cpp's expand_pairs says why); the other tiles find this group in the cache
+    if constexpr (Ask) __builtin_prefetch(head.scales + (next * blocks + b) * kGroup, 0, 3);
+    for (int64_t j = 0; j < kBlock / 4; ++j) {
+      const uint8_t* p = head.packed + (g * (K / 4) + b * (kBlock / 4) + j) * 64;
+      if constexpr (Ask) __builtin_prefetch(head.packed + (next * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
+        const __m256i x4 = _mm256_set1_epi32(four);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x4), ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x4), ones));
+      }
+    }
+    const at::Half* d = head.scales + (g * blocks + b) * kGroup;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * h)));
+      for (int r = 0; r < R; ++r)
+        _mm256_storeu_ps(total[r] + 8 * h,
+                         _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), dh),
+                                         _mm256_set1_ps(xq.s[(m0 + r) * blocks + b]), _mm256_loadu_ps(total[r] + 8 * h)));
+    }
+    // the totals wait in memory: GCC would hold them in eight registers across the blocks and spill the
+    // sums of the products instead, in the loop that matters
+    asm volatile("" : : "r"(totals) : "memory");
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 top8 = _mm256_max_ps(_mm256_loadu_ps(total[r]), _mm256_loadu_ps(total[r] + 8));
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    tops[m0 + r] = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+  }
+}
+
+// The first pass over groups [g0, g1): every row's approximate logits into totals[(g * M + m) * 16 + l],
+// the group's largest of them into tops[g * M + m], its widest bound into wides[g * M + m] (from the
+// largest norm and sum of each block over the group's outputs), and lower[m] raised to the largest
+// top - wide: a lower end of the row's largest logit, found without the outputs' own bounds
+void sweep_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, int64_t g1, int64_t K, float slack,
+                  float* totals, float* tops, float* wides, std::vector<float>& lower) {
+  const int64_t blocks = K / kBlock;
+  std::vector<float> widest(2 * blocks);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t next = g + 1 < g1 ? g + 1 : g;
+    const auto tile = [&](auto ask, int64_t m0) {
+      constexpr bool Ask = decltype(ask)::value;
+      float* t = totals + g * M * kGroup;
+      float* top = tops + g * M;
+      switch (std::min<int64_t>(kTile, M - m0)) {
+        case 1: approx_tile<1, Ask>(xq, m0, head, g, next, K, t, top); break;
+        case 2: approx_tile<2, Ask>(xq, m0, head, g, next, K, t, top); break;
+        case 3: approx_tile<3, Ask>(xq, m0, head, g, next, K, t, top); break;
+        default: approx_tile<4, Ask>(xq, m0, head, g, next, K, t, top); break;
+      }
+    };
+    // the first tile of rows asks for the next group (Ask), the others do not
+    if (M > 0) tile(std::true_type{}, 0);
+    for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* n = head.norms + (g * blocks + b) * kGroup;
+      const float* a = head.absums + (g * blocks + b) * kGroup;
+      widest[b] = *std::max_element(n, n + kGroup);
+      widest[blocks + b] = *std::max_element(a, a + kGroup);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float wide = 0.f;
+      for (int64_t b = 0; b < blocks; ++b)
+        wide += widest[b] * xq.err[m * blocks + b] + slack * widest[blocks + b] * xq.s[m * blocks + b];
+      wides[g * M + m] = wide;
+      lower[m] = std::max(lower[m], tops[g * M + m] - wide);
+    }
+  }
+}
+
+// The outputs of groups [g0, g1) whose upper end reaches the row's lower end (found.lower, the largest
+// over the whole layer by now): a group whose top + wide falls short has none, and needs no bounds of
+// its outputs; the others' outputs get their own, and raise the lower end further
+void reaching_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, int64_t g1, int64_t K, float slack,
+                     const float* totals, const float* tops, const float* wides, Found& found) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t m = 0; m < M; ++m) {
+      if (tops[g * M + m] + wides[g * M + m] < found.lower[m]) continue;
+      alignas(32) float bound[kGroup];
+      for (int h = 0; h < 2; ++h) {
+        __m256 sum = _mm256_setzero_ps(), cover = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = (g * blocks + b) * kGroup + 8 * h, xb = m * blocks + b;
+          sum = _mm256_fmadd_ps(_mm256_loadu_ps(head.norms + at), _mm256_set1_ps(xq.err[xb]), sum);
+          cover = _mm256_fmadd_ps(_mm256_loadu_ps(head.absums + at), _mm256_set1_ps(xq.s[xb]), cover);
+        }
+        _mm256_store_ps(bound + 8 * h, _mm256_fmadd_ps(cover, _mm256_set1_ps(slack), sum));
+      }
+      keep_reaching(totals + (g * M + m) * kGroup, bound, m, g * kGroup, found);
+    }
+}
+
+// the first pass in two sweeps over each part's groups: a lower end from the whole layer first, so that few
+// outputs are kept on the way (with a lower end that rose group by group from minus infinity, most groups
+// needed their outputs' bounds, and a row kept tens of times the outputs left at the end). The approximate
+// logits wait in between in a buffer kept from call to call (18 floats a group and row: 28 MB at 128 rows
+// of SmolLM2's 3,072 groups), which saves the pages' faults of a fresh one every step.
+void approx_all(const QuantRows& xq, int64_t M, const Head& head, int64_t groups, int64_t K, float slack,
+                int64_t parts, std::vector<Found>& found) {
+  static std::vector<float> buffer;
+  const size_t need = static_cast<size_t>(groups * M * (kGroup + 2));
+  if (buffer.size() < need) buffer.resize(need);
+  float* totals = buffer.data();
+  float* tops = totals + groups * M * kGroup;
+  float* wides = tops + groups * M;
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      sweep_groups(xq, M, head, groups * p / parts, groups * (p + 1) / parts, K, slack, totals, tops, wides,
+                   found[p].lower);
+  });
+  for (int64_t m = 0; m < M; ++m) {
+    float lower = -std::numeric_limits<float>::infinity();
+    for (const Found& f : found) lower = std::max(lower, f.lower[m]);
+    for (Found& f : found) f.lower[m] = lower;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      reaching_groups(xq, M, head, groups * p / parts, groups * (p + 1) / parts, K, slack, totals, tops, wides,
+                      found[p]);
+  });
 }
 #endif
 
-// output n's logit for row x as coded_linear computes it: the FMA chain over k in order
-float exact_logit(const float* x, const int8_t* codes, const at::Half* scales, int64_t n, int64_t K) {
-  const int64_t g = n / kGroup, l = n % kGroup, blocks = K / kBlock;
-  float acc = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float d = static_cast<float>(scales[(g * blocks + b) * kGroup + l]);
-    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
-      const float w = static_cast<float>(codes[(g * K + k) * kGroup + l]) * d;
-      acc = std::fma(x[k], w, acc);
-    }
+// The logits of candidates (row m, output n) as coded_linear computes them: each its own FMA chain over k
+// in order. A chain is bound by the FMA's latency, so kChains of them run side by side (the padding repeats
+// the last candidate): the FMAs' throughput bounds them instead, and each chain's bits are its own.
+constexpr int kChains = 8;
+
+struct Candidate {
+  int64_t m, n;
+};
+
+void exact_logits(const float* x, const int8_t* codes, const at::Half* scales, const Candidate* c, int64_t count,
+                  int64_t K, float* out) {
+  const int64_t blocks = K / kBlock;
+  const float* xr[kChains];
+  const int8_t* w[kChains];
+  const at::Half* d[kChains];
+  float acc[kChains];
+  for (int i = 0; i < kChains; ++i) {
+    const Candidate& one = c[std::min<int64_t>(i, count - 1)];
+    const int64_t g = one.n / kGroup, l = one.n % kGroup;
+    xr[i] = x + one.m * K;
+    w[i] = codes + g * K * kGroup + l;
+    d[i] = scales + g * blocks * kGroup + l;
+    acc[i] = 0.f;
   }
-  return acc;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float scale[kChains];
+    for (int i = 0; i < kChains; ++i) scale[i] = static_cast<float>(d[i][b * kGroup]);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
+      for (int i = 0; i < kChains; ++i)
+        acc[i] = std::fma(xr[i][k], static_cast<float>(w[i][k * kGroup]) * scale[i], acc[i]);
+  }
+  for (int64_t i = 0; i < std::min<int64_t>(count, kChains); ++i) out[i] = acc[i];
 }
 
 }  // namespace
@@ -212,14 +453,25 @@ bool has_q8_argmax() {
 #endif
 }
 
+std::string q8_argmax_kind() {
+#if defined(PAGEDSERVE_Q8_ARGMAX_VNNI)
+  return "avx512_vnni";
+#elif defined(PAGEDSERVE_Q8_ARGMAX)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 // x [M, K] float32; packed uint8 [N / 16, K / 4, 16, 4] (codes + 128); codes int8 [N / 16, K, 16] and
 // scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]:
-// |scale| * sum |codes| per block. Returns the token [M] (int64; -1 for a row with a value that is not
+// |scale| * sum |codes| per block; norms float32 [N / 16, K / 32, 16]: the Euclidean norm of each
+// block's weights, rounded up. Returns the token [M] (int64; -1 for a row with a value that is not
 // finite: the caller computes that row in full), its logit [M] (float32) and how many outputs were
 // computed exactly [M] (int64).
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums) {
-  TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has no AVX512-VNNI");
+                                  at::Tensor absums, at::Tensor norms) {
+  TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q8_argmax: x [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0, "q8_argmax: K a positive multiple of 32");
@@ -233,6 +485,8 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
               "q8_argmax: scales float16 [N / 16, K / 32, 16]");
   TORCH_CHECK(absums.scalar_type() == at::kFloat && absums.is_contiguous() && absums.sizes() == scales.sizes(),
               "q8_argmax: absums float32 [N / 16, K / 32, 16]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.sizes() == scales.sizes(),
+              "q8_argmax: norms float32 [N / 16, K / 32, 16]");
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   auto logits = at::empty({M}, x.options());
   auto counts = at::empty({M}, x.options().dtype(at::kLong));
@@ -243,30 +497,50 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
   std::vector<Found> found(parts, Found{std::vector<float>(M, -std::numeric_limits<float>::infinity()),
                                         std::vector<std::vector<std::pair<int64_t, float>>>(M)});
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      approx_groups(xq, M, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), absums.data_ptr<float>(),
-                    groups * p / parts, groups * (p + 1) / parts, K, found[p]);
-  });
+  const Head head{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), absums.data_ptr<float>(),
+                  norms.data_ptr<float>()};
+  // the float roundings' share (see the top): the exact chain's own error is at most K * 2^-24 of
+  // sum |w x|, itself at most kLevels * sum_b s_b |w_b| (|x| <= kLevels s in a block), and the first
+  // pass's a few 2^-24 a block; twice that, and never under kSlack (0.01 covers SmolLM2's K = 576 twice)
+  const float slack = std::max(kSlack, 2.f * static_cast<float>(K + blocks) * std::ldexp(1.f, -24) * kLevels);
+  approx_all(xq, M, head, groups, K, slack, parts, found);
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* lp = logits.data_ptr<float>();
   int64_t* cp = counts.data_ptr<int64_t>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      tp[m] = -1, lp[m] = std::numeric_limits<float>::quiet_NaN(), cp[m] = 0;
-      if (!xq.finite[m]) continue;
-      float lower = -std::numeric_limits<float>::infinity();
-      for (const Found& f : found) lower = std::max(lower, f.lower[m]);
-      // parts in order, each in increasing order: the first largest is the first index
-      for (const Found& f : found)
-        for (const auto& [n, upper] : f.outputs[m]) {
-          if (upper < lower) continue;
-          const float e = exact_logit(xp + m * K, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), n, K);
-          ++cp[m];
-          if (tp[m] < 0 || e > lp[m]) tp[m] = n, lp[m] = e;
-        }
-    }
+  // the candidates left once every part's lower end is known, row by row
+  std::vector<Candidate> left;
+  std::vector<int64_t> first(M + 1, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    first[m] = static_cast<int64_t>(left.size());
+    if (!xq.finite[m]) continue;
+    float lower = -std::numeric_limits<float>::infinity();
+    for (const Found& f : found) lower = std::max(lower, f.lower[m]);
+    for (const Found& f : found)
+      for (const auto& [n, upper] : f.outputs[m])
+        if (upper >= lower) left.push_back({m, n});
+  }
+  first[M] = static_cast<int64_t>(left.size());
+  // computed in order of n, so that rows sharing a candidate read its codes (576 bytes strided over 9 KB)
+  // once from memory, in runs of kChains across rows: a row's share of candidates varies by thousands
+  std::vector<Candidate> by_n(left);
+  std::vector<int64_t> where(left.size());
+  for (size_t i = 0; i < where.size(); ++i) where[i] = static_cast<int64_t>(i);
+  std::stable_sort(where.begin(), where.end(), [&](int64_t a, int64_t b) { return left[a].n < left[b].n; });
+  for (size_t i = 0; i < where.size(); ++i) by_n[i] = left[where[i]];
+  std::vector<float> sorted(left.size()), exact(left.size());
+  const int64_t runs = (first[M] + kChains - 1) / kChains;
+  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      exact_logits(xp, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), by_n.data() + r * kChains,
+                   std::min<int64_t>(kChains, first[M] - r * kChains), K, sorted.data() + r * kChains);
   });
+  for (size_t i = 0; i < where.size(); ++i) exact[where[i]] = sorted[i];
+  for (int64_t m = 0; m < M; ++m) {
+    tp[m] = -1, lp[m] = std::numeric_limits<float>::quiet_NaN(), cp[m] = first[m + 1] - first[m];
+    // the first largest: the least index among equal logits (a row's candidates need not come in order)
+    for (int64_t i = first[m]; i < first[m + 1]; ++i)
+      if (tp[m] < 0 || exact[i] > lp[m] || (exact[i] == lp[m] && left[i].n < tp[m])) tp[m] = left[i].n, lp[m] = exact[i];
+  }
 #endif
   return {tokens, logits, counts};
 }

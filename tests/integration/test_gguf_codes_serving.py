@@ -28,9 +28,9 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
     if greedy_head and not kernel.has_q8_argmax():
-        pytest.skip("no AVX512-VNNI: no greedy head on this CPU")
+        pytest.skip("neither AVX512-VNNI nor AVX2: no greedy head on this CPU")
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if greedy_head else "0")
-    monkeypatch.setattr(greedy_head_module, "MIN_ROWS", 1)   # this pool's steps have 1-3 rows
+    monkeypatch.setitem(greedy_head_module.MIN_ROWS, kernel.q8_argmax_kind(), 1)   # this pool's steps have 1-3 rows
     model = gguf_form_model(build(SUPPORTED[name], "eager", seed=4))
     expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS]
     model.set_attn_implementation(attention.register())
@@ -82,10 +82,10 @@ def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
     if not kernel.has_q8_argmax():
-        pytest.skip("no AVX512-VNNI: no greedy head on this CPU")
+        pytest.skip("neither AVX512-VNNI nor AVX2: no greedy head on this CPU")
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1")
     model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
-    prompts = [[1, 10 + i, 20 + 3 * i, 7] for i in range(7)]
+    prompts = [[1, 10 + i, 20 + 3 * i, 7] for i in range(10)]   # steps of 10 rows: over either kind's MIN_ROWS
     expected = [hf_reference(model, p, 6) for p in prompts]
     model.set_attn_implementation(attention.register())
     argmax_rows, real_argmax = [], kernel.q8_argmax
@@ -94,6 +94,6 @@ def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
         argmax_rows.append(x.shape[0])
         return real_argmax(x, *rest)
     monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
-    served = serve(model, prompts, 6, block_size=4, num_blocks=64, max_num_seqs=7, logprobs=None)
-    assert argmax_rows and min(argmax_rows) >= greedy_head_module.MIN_ROWS, argmax_rows
+    served = serve(model, prompts, 6, block_size=4, num_blocks=64, max_num_seqs=10, logprobs=None)
+    assert argmax_rows and min(argmax_rows) >= greedy_head_module.MIN_ROWS[kernel.q8_argmax_kind()], argmax_rows
     assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]

@@ -10,10 +10,13 @@ from tests.helpers import cpu_flags, q8_0_form
 
 @pytest.fixture
 def vnni(kernel):
+    """The kernel module, where it has the first pass: AVX512-VNNI's, or AVX2's (VPMADDUBSW)."""
     if not kernel.has_q8_argmax():
-        # the build chooses by the compiler's -march=native: a CPU without AVX512-VNNI has no first pass
-        assert "avx512_vnni" not in cpu_flags(), "the CPU has AVX512-VNNI but the build has no q8_argmax"
-        pytest.skip("no AVX512-VNNI on this CPU")
+        # the build chooses by the compiler's -march=native: a CPU with neither has no first pass
+        flags = cpu_flags()
+        assert "avx512_vnni" not in flags and not {"avx2", "fma"} <= flags, \
+            "the CPU has AVX512-VNNI or AVX2 but the build has no q8_argmax"
+        pytest.skip("neither AVX512-VNNI nor AVX2 on this CPU")
     return kernel
 
 
@@ -49,7 +52,7 @@ def test_token_and_logit_are_the_full_products(vnni, rows):
     head = greedy_head.GreedyHead(vnni, codes)
     x = _rows(weight.shape[1])[:rows].contiguous()
     logits, best, index = _full(vnni, codes, x)
-    tokens, logit, counts = vnni.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums)
+    tokens, logit, counts = vnni.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
     assert torch.equal(tokens, index)
     assert torch.equal(logit.view(torch.int32), best.view(torch.int32))
     assert (counts >= 1).all() and (counts <= weight.shape[0]).all()
@@ -69,7 +72,7 @@ def test_ties_go_to_the_first_index(vnni):
     x = (weight[5] + 0.01 * torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(3)))[None].contiguous()
     logits, best, index = _full(vnni, codes, x)
     assert int(index) == 77 and logits[0, 300] == logits[0, 77] == logits[0, 600]
-    tokens, logit, counts = vnni.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums)
+    tokens, logit, counts = vnni.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
     assert int(tokens) == 77 and torch.equal(logit, best) and counts[0] >= 3
 
 
@@ -81,7 +84,8 @@ def test_many_random_rows_against_the_full_product(vnni):
     x = torch.randn(200, 128, generator=g) * torch.logspace(-6, 4, 200)[:, None]
     x[::7, 5] *= 300.0
     _, best, index = _full(vnni, codes, x.contiguous())
-    tokens, logit, _ = vnni.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums)
+    tokens, logit, _ = vnni.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums,
+                                      head.norms)
     assert torch.equal(tokens, index) and torch.equal(logit, best)
 
 
@@ -102,10 +106,24 @@ def test_build_takes_only_a_float32_q8_0_head(vnni, monkeypatch):
     linear.route_linears(q8, codes=True)
     built = greedy_head.build(q8, vnni)
     assert built is not None and built.codes is q8.forward.codes   # the route's codes, not found again
-    assert built.nbytes == 640 * 96 + 640 * 3 * 4
+    assert built.nbytes == 640 * 96 + 2 * 640 * 3 * 4
     plain = torch.nn.Linear(96, 640, bias=False)          # random floats: no codes
     assert greedy_head.build(plain, vnni) is None
     assert greedy_head.build(q8.to(torch.bfloat16), vnni) is None
     assert greedy_head.build(q8.float(), None) is None
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "0")
     assert greedy_head.build(q8.float(), vnni) is None
+
+
+def test_norms_are_the_blocks_norms_rounded_up():
+    """The bound weighs x's rounding by each block's Euclidean norm: never under the real one, and no more
+    than one float32 step over it, whichever chunk of groups computed it."""
+    weight, codes = _head(n=640, k=96)
+    norms = torch.empty(codes.scales.shape, dtype=torch.float32)
+    blocks = codes.codes.view(40, 3, 32, 16)
+    for g in range(0, 40, 7):   # chunks that do not divide the groups
+        norms[g:g + 7] = greedy_head._norms_up(blocks[g:g + 7], codes.scales[g:g + 7])
+    exact = weight.double().view(40, 16, 3, 32).pow(2).sum(3).sqrt().permute(0, 2, 1)   # [G, B, 16]
+    assert (norms.double() >= exact).all()
+    below = torch.nextafter(norms, torch.tensor(float("-inf")))
+    assert (below.double() < exact).all()
