@@ -9,7 +9,7 @@ from tests.helpers import cpu_flags, q8_0_form
 
 
 @pytest.fixture
-def vnni(kernel):
+def first_pass(kernel):
     """The kernel module, where it has the first pass: AVX512-VNNI's, or AVX2's (VPMADDUBSW)."""
     if not kernel.has_q8_argmax():
         # the build chooses by the compiler's -march=native: a CPU with neither has no first pass
@@ -47,12 +47,12 @@ def _rows(k, seed=1):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 24])
-def test_token_and_logit_are_the_full_products(vnni, rows):
+def test_token_and_logit_are_the_full_products(first_pass, rows):
     weight, codes = _head()
-    head = greedy_head.GreedyHead(vnni, codes)
+    head = greedy_head.GreedyHead(first_pass, codes)
     x = _rows(weight.shape[1])[:rows].contiguous()
-    logits, best, index = _full(vnni, codes, x)
-    tokens, logit, counts = vnni.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
+    logits, best, index = _full(first_pass, codes, x)
+    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
     assert torch.equal(tokens, index)
     assert torch.equal(logit.view(torch.int32), best.view(torch.int32))
     assert (counts >= 1).all() and (counts <= weight.shape[0]).all()
@@ -62,57 +62,57 @@ def test_token_and_logit_are_the_full_products(vnni, rows):
     assert counts[0] < weight.shape[0] // 4, counts
 
 
-def test_ties_go_to_the_first_index(vnni):
+def test_ties_go_to_the_first_index(first_pass):
     weight, codes = _head()
     weight = weight.clone()
     for n in (300, 77, 600):                  # row 77 the first of three equal rows
         weight[n] = weight[5] * 4
     codes = quantized.find_codes(weight)
-    head = greedy_head.GreedyHead(vnni, codes)
+    head = greedy_head.GreedyHead(first_pass, codes)
     x = (weight[5] + 0.01 * torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(3)))[None].contiguous()
-    logits, best, index = _full(vnni, codes, x)
+    logits, best, index = _full(first_pass, codes, x)
     assert int(index) == 77 and logits[0, 300] == logits[0, 77] == logits[0, 600]
-    tokens, logit, counts = vnni.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
+    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
     assert int(tokens) == 77 and torch.equal(logit, best) and counts[0] >= 3
 
 
-def test_many_random_rows_against_the_full_product(vnni):
+def test_many_random_rows_against_the_full_product(first_pass):
     """The bound is a proof, not a tolerance: no row of many, at every scale, may pick another token."""
     weight, codes = _head(n=1024, k=128, seed=5)
-    head = greedy_head.GreedyHead(vnni, codes)
+    head = greedy_head.GreedyHead(first_pass, codes)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(200, 128, generator=g) * torch.logspace(-6, 4, 200)[:, None]
     x[::7, 5] *= 300.0
-    _, best, index = _full(vnni, codes, x.contiguous())
-    tokens, logit, _ = vnni.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums,
+    _, best, index = _full(first_pass, codes, x.contiguous())
+    tokens, logit, _ = first_pass.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums,
                                       head.norms)
     assert torch.equal(tokens, index) and torch.equal(logit, best)
 
 
-def test_a_row_with_a_nan_or_an_infinity_is_left_to_the_full_logits(vnni):
+def test_a_row_with_a_nan_or_an_infinity_is_left_to_the_full_logits(first_pass):
     weight, codes = _head()
-    head = greedy_head.GreedyHead(vnni, codes)
+    head = greedy_head.GreedyHead(first_pass, codes)
     x = _rows(weight.shape[1])[:3].clone()
     x[0, 7] = float("nan")
     x[2, 90] = float("inf")
     tokens, counts = head.tokens(x)
     assert tokens[0] == -1 and tokens[2] == -1 and counts[0] == counts[2] == 0
-    assert tokens[1] == int(_full(vnni, codes, x[1:2].contiguous())[2])
+    assert tokens[1] == int(_full(first_pass, codes, x[1:2].contiguous())[2])
 
 
-def test_build_takes_only_a_float32_q8_0_head(vnni, monkeypatch):
+def test_build_takes_only_a_float32_q8_0_head(first_pass, monkeypatch):
     q8 = torch.nn.Linear(96, 640, bias=False)
     q8.weight.data = _head()[0]
     linear.route_linears(q8, codes=True)
-    built = greedy_head.build(q8, vnni)
+    built = greedy_head.build(q8, first_pass)
     assert built is not None and built.codes is q8.forward.codes   # the route's codes, not found again
     assert built.nbytes == 640 * 96 + 2 * 640 * 3 * 4
     plain = torch.nn.Linear(96, 640, bias=False)          # random floats: no codes
-    assert greedy_head.build(plain, vnni) is None
-    assert greedy_head.build(q8.to(torch.bfloat16), vnni) is None
+    assert greedy_head.build(plain, first_pass) is None
+    assert greedy_head.build(q8.to(torch.bfloat16), first_pass) is None
     assert greedy_head.build(q8.float(), None) is None
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "0")
-    assert greedy_head.build(q8.float(), vnni) is None
+    assert greedy_head.build(q8.float(), first_pass) is None
 
 
 def test_norms_are_the_blocks_norms_rounded_up():
