@@ -382,7 +382,8 @@ void reaching_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g
 // outputs are kept on the way (with a lower end that rose group by group from minus infinity, most groups
 // needed their outputs' bounds, and a row kept tens of times the outputs left at the end). The approximate
 // logits wait in between in a buffer kept from call to call (18 floats a group and row: 28 MB at 128 rows
-// of SmolLM2's 3,072 groups), which saves the pages' faults of a fresh one every step.
+// of SmolLM2's 3,072 groups), which saves the pages' faults of a fresh one every step; one buffer serves
+// every call, as calls come one at a time (the interpreter's lock is held through them).
 void approx_all(const QuantRows& xq, int64_t M, const Head& head, int64_t groups, int64_t K, float slack,
                 int64_t parts, std::vector<Found>& found) {
   static std::vector<float> buffer;

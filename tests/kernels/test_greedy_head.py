@@ -85,7 +85,7 @@ def test_many_random_rows_against_the_full_product(first_pass):
     x[::7, 5] *= 300.0
     _, best, index = _full(first_pass, codes, x.contiguous())
     tokens, logit, _ = first_pass.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums,
-                                      head.norms)
+                                            head.norms)
     assert torch.equal(tokens, index) and torch.equal(logit, best)
 
 
