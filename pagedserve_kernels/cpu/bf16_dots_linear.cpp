@@ -123,18 +123,17 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   if (M == 0 || N == 0) return y;
   // x as float32: in widen16's lane order for one row, in input order for the tiles
   const at::Tensor widened = at::empty({M, K}, x.options().dtype(at::kFloat));
-  float* xw = widened.data_ptr<float>();
+  float* const xf = widened.data_ptr<float>();
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0 * K; i < r1 * K; i += 2 * kLanes) {
       __m256 a, b;
       if (M == 1) widen16(xp + i, a, b);
       else a = pagedserve::load8(xp + i), b = pagedserve::load8(xp + i + kLanes);
-      _mm256_storeu_ps(xw + i, a);
-      _mm256_storeu_ps(xw + i + kLanes, b);
+      _mm256_storeu_ps(xf + i, a);
+      _mm256_storeu_ps(xf + i + kLanes, b);
     }
   });
-  const float* xf = xw;
   const auto* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   if (M == 1) {

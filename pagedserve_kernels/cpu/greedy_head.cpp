@@ -521,26 +521,20 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
         if (upper >= lower) left.push_back({m, n});
   }
   first[M] = static_cast<int64_t>(left.size());
-  // computed in order of n, so that rows sharing a candidate read its codes (576 bytes strided over 9 KB)
-  // once from memory, in runs of kChains across rows: a row's share of candidates varies by thousands
-  std::vector<Candidate> by_n(left);
-  std::vector<int64_t> where(left.size());
-  for (size_t i = 0; i < where.size(); ++i) where[i] = static_cast<int64_t>(i);
-  std::stable_sort(where.begin(), where.end(), [&](int64_t a, int64_t b) { return left[a].n < left[b].n; });
-  for (size_t i = 0; i < where.size(); ++i) by_n[i] = left[where[i]];
-  std::vector<float> sorted(left.size()), exact(left.size());
+  // computed in runs of kChains across rows: a row's share of candidates varies by thousands
+  std::vector<float> exact(left.size());
   const int64_t runs = (first[M] + kChains - 1) / kChains;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      exact_logits(xp, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), by_n.data() + r * kChains,
-                   std::min<int64_t>(kChains, first[M] - r * kChains), K, sorted.data() + r * kChains);
+      exact_logits(xp, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), left.data() + r * kChains,
+                   std::min<int64_t>(kChains, first[M] - r * kChains), K, exact.data() + r * kChains);
   });
-  for (size_t i = 0; i < where.size(); ++i) exact[where[i]] = sorted[i];
   for (int64_t m = 0; m < M; ++m) {
     tp[m] = -1, lp[m] = std::numeric_limits<float>::quiet_NaN(), cp[m] = first[m + 1] - first[m];
-    // the first largest: the least index among equal logits (a row's candidates need not come in order)
+    // a row's candidates come in increasing order (parts in order, each in order): the first largest is
+    // the first index
     for (int64_t i = first[m]; i < first[m + 1]; ++i)
-      if (tp[m] < 0 || exact[i] > lp[m] || (exact[i] == lp[m] && left[i].n < tp[m])) tp[m] = left[i].n, lp[m] = exact[i];
+      if (tp[m] < 0 || exact[i] > lp[m]) tp[m] = left[i].n, lp[m] = exact[i];
   }
 #endif
   return {tokens, logits, counts};
