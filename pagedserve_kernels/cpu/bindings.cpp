@@ -78,7 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI or AVX2)");
   m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
-  pybind11::class_<CodedLayers>(m, "CodedLayers", "a float32 model's decoder layers whose every product is GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
+  // module_local: two builds of these kernels can then be loaded in one process (bench/kernels_ab.py)
+  pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a float32 model's decoder layers whose every product is GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())
       .def("set_caches", &CodedLayers::set_caches, "per layer its K and V cache")
       .def("forward", &CodedLayers::forward, "the layers over residual (in place) from its first norm x; returns the last norm",

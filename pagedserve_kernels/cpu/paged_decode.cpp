@@ -28,9 +28,10 @@
 // 0.60. The AVX-512 walk asks for the next block's rows ahead (blocks sit anywhere in the pool, where
 // the hardware cannot guess them): 30 layers of a 64-sequence step at context 128, K/V from memory,
 // 21.9-22.1 against 26.1-27.4 ms without. Otherwise, with AVX2+FMA (and head_dim a multiple of 8)
-// the dot products, exponentials and value sums are vectorized by hand in eight lanes (a query head's
-// value sums in registers, value_slice8, in torch's SDPA steps too), and the walks ask for the next
-// block's rows ahead as the AVX-512 walk does; without, plain loops do the same arithmetic.
+// the dot products, exponentials and value sums are vectorized by hand in eight lanes (up to four query
+// heads' dots per key row, dots4; up to three query heads' value sums in registers, value_sums8, in torch's
+// SDPA steps too), and the walks ask for the next block's rows ahead as the AVX-512 walk does; without,
+// plain loops do the same arithmetic.
 #include "aten.h"
 
 #include <algorithm>
@@ -412,53 +413,169 @@ inline bool sdpa_order(const Shape& sh) {
 }
 
 #ifdef PAGEDSERVE_AVX2
-// The weighted sum of the value rows (float32, or bfloat16 widened) for one query head, dimensions
-// [d0, d0 + 8 S) of KV head h, its S eight-lane sums in registers while the walk goes (axpy would load
-// and store them at every position): the same FMAs in the same order as axpy's, so the same bits.
-// With `rescale` (torch's SDPA steps), the sums are multiplied by rescale[b] before the first position of
-// each block b >= 1 of kSdpaBlock, as the walk in memory does. out[0 .. 8 S) = the sums * inv_sum, rounded to T.
-// `ahead`: ask for the next block's rows while walking (the first of the query heads that share the rows).
-template <int S, typename T>
-void value_slice8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
-                  int64_t h, int64_t d0, const float* w, float inv_sum, const float* rescale, bool ahead, T* out) {
-  __m256 acc[S];
-  for (int s = 0; s < S; ++s) acc[s] = _mm256_setzero_ps();
-  const auto add = [&](int64_t p, const T* row) {
-    const T* v = row + h * sh.head_dim + d0;
-    const __m256 wv = _mm256_set1_ps(w[p]);
-    for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(wv, pagedserve::load8(v + 8 * s), acc[s]);
-  };
-  const int64_t offset = ahead ? h * sh.head_dim + d0 : -1, values = ahead ? 8 * S : 0;
-  if (rescale == nullptr) {
-    walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, add, offset, values);
-  } else {
-    walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
-      if (p > 0 && p % kSdpaBlock == 0) {
-        const __m256 factor = _mm256_set1_ps(rescale[p / kSdpaBlock]);
-        for (int s = 0; s < S; ++s) acc[s] = _mm256_mul_ps(acc[s], factor);
+// The weighted sums of the value rows (float32, or bfloat16 widened) for G query heads that share KV head
+// h, dimensions [d0, d0 + 8 S): G * S eight-lane sums in registers while the walk goes, each value loaded
+// once for the G heads. Per output the same FMAs in the same order as axpy's (over the positions in order),
+// so the same bits. The walk is written out here rather than through walk_context: with the sums captured
+// by a lambda, GCC stored every one of them to the stack at each position. With `rescale` (torch's SDPA
+// steps), head g's sums are multiplied by rescale[g][b] before the first position of each block b >= 1 of
+// kSdpaBlock, as the walk in memory does. out[g][0 .. 8 S) = the sums * inv_sum[g], rounded to T.
+// `ahead`: ask for the next block's part of the rows this walk reads (the first walk over them).
+template <int G, int S, typename T>
+void value_sums8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
+                 int64_t h, int64_t d0, const float* const* w, const float* inv_sum, const float* const* rescale,
+                 bool ahead, T* const* out) {
+  __m256 acc[G][S];
+  for (int g = 0; g < G; ++g)
+    for (int s = 0; s < S; ++s) acc[g][s] = _mm256_setzero_ps();
+  const int64_t bs = sh.block_size, stride = sh.slot_stride, offset = h * sh.head_dim + d0;
+  for (int64_t p0 = begin / bs * bs; p0 < full_len; p0 += bs) {
+    const T* block = vc + static_cast<int64_t>(table[p0 / bs]) * bs * stride + offset;
+    const int64_t n = std::min(bs, full_len - p0);
+    // as walk_context asks for the next block: row i of it beside row i of this one
+    const T* next = ahead && p0 + bs < full_len ? vc + static_cast<int64_t>(table[p0 / bs + 1]) * bs * stride + offset
+                                                : nullptr;
+    const int64_t later = next != nullptr ? std::min(bs, full_len - p0 - bs) : 0;
+    const int64_t first = std::max<int64_t>(0, begin - p0);   // (a window may start inside the block)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i < later)
+        for (int64_t f = 0; f < 8 * S; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
+          __builtin_prefetch(next + i * stride + f, 0, 2);
+      if (i < first) continue;
+      const int64_t p = p0 + i - begin;
+      if (rescale != nullptr && p > 0 && p % kSdpaBlock == 0)
+        for (int g = 0; g < G; ++g) {
+          const __m256 factor = _mm256_set1_ps(rescale[g][p / kSdpaBlock]);
+          for (int s = 0; s < S; ++s) acc[g][s] = _mm256_mul_ps(acc[g][s], factor);
+        }
+      const T* v = block + i * stride;
+      __m256 wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = _mm256_set1_ps(w[g][p]);
+      for (int s = 0; s < S; ++s) {
+        const __m256 x = pagedserve::load8(v + 8 * s);
+        for (int g = 0; g < G; ++g) acc[g][s] = _mm256_fmadd_ps(wv[g], x, acc[g][s]);
       }
-      add(p, row);
-    }, offset, values);
+    }
   }
-  const __m256 inv = _mm256_set1_ps(inv_sum);
-  for (int s = 0; s < S; ++s) pagedserve::store8(out + 8 * s, _mm256_mul_ps(acc[s], inv));
+  for (int g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[g]);
+    for (int s = 0; s < S; ++s) pagedserve::store8(out[g] + 8 * s, _mm256_mul_ps(acc[g][s], inv));
+  }
 }
 
-// value_slice8 over every dimension of query head j of the item (head_dim a multiple of 8), 64 at a time
+// value_sums8 of G heads over dimensions [d0, d0 + 8 S), S = min(kMaxS, what is left)
+template <int G, int kMaxS, typename T>
+void value_sums8_upto(int64_t slices, const Shape& sh, const T* vc, const int32_t* table, int64_t begin,
+                      int64_t full_len, int64_t h, int64_t d0, const float* const* w, const float* inv_sum,
+                      const float* const* rescale, bool ahead, T* const* out) {
+  if constexpr (kMaxS > 1) {
+    if (slices < kMaxS) {
+      value_sums8_upto<G, kMaxS - 1>(slices, sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, out);
+      return;
+    }
+  }
+  value_sums8<G, kMaxS>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, out);
+}
+
+// The item's value sums, head_dim a multiple of 8: for each KV head, its query heads three at a time
+// (twelve sums in registers: 32 dimensions a walk) or one alone (64 dimensions a walk). w[j] (j the
+// item's query head), inv_sum[j], rescale[j] (or none); out[j] the output of query head j.
 template <typename T>
-void values8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
-             int64_t h, const float* w, float inv_sum, const float* rescale, bool ahead, T* out) {
-  for (int64_t d0 = 0; d0 < sh.head_dim; d0 += 64) {
-    T* o = out + d0;
-    switch (std::min<int64_t>(8, (sh.head_dim - d0) / 8)) {
-      case 1: value_slice8<1>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      case 2: value_slice8<2>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      case 3: value_slice8<3>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      case 4: value_slice8<4>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      case 5: value_slice8<5>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      case 6: value_slice8<6>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      case 7: value_slice8<7>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
-      default: value_slice8<8>(sh, vc, table, begin, full_len, h, d0, w, inv_sum, rescale, ahead, o); break;
+void values8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len, int64_t h0,
+             int64_t h1, const float* const* w, const float* inv_sum, const float* const* rescale, T* const* out) {
+  const int64_t G = sh.group, D = sh.head_dim;
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t j0 = (h - h0) * G; j0 < (h - h0 + 1) * G;) {
+      const int64_t heads = std::min<int64_t>(3, (h - h0 + 1) * G - j0), width = heads == 1 ? 64 : 32;
+      const float* const* rj = rescale != nullptr ? rescale + j0 : nullptr;
+      for (int64_t d0 = 0; d0 < D; d0 += width) {
+        T* o[3];
+        for (int64_t g = 0; g < heads; ++g) o[g] = out[j0 + g] + d0;
+        const int64_t slices = std::min(width, D - d0) / 8;
+        const bool ahead = j0 == (h - h0) * G;
+        switch (heads) {
+          case 1: value_sums8_upto<1, 8>(slices, sh, vc, table, begin, full_len, h, d0, w + j0, inv_sum + j0, rj, ahead, o); break;
+          case 2: value_sums8_upto<2, 4>(slices, sh, vc, table, begin, full_len, h, d0, w + j0, inv_sum + j0, rj, ahead, o); break;
+          default: value_sums8_upto<3, 4>(slices, sh, vc, table, begin, full_len, h, d0, w + j0, inv_sum + j0, rj, ahead, o); break;
+        }
+      }
+      j0 += heads;
+    }
+}
+
+// <q_i, k> for four query heads q_0 .. q_3 at once, as dot() computes each (dimension blocks of 8 alternating
+// between two sums, added, then hsum8's tree), so the same bits: each of k's blocks is loaded (and widened)
+// once for the four, their FMA chains are in flight together and their horizontal sums share the shuffles.
+// Returns the four dots in order.
+template <typename T>
+inline __m128 dots4(const float* q0, const float* q1, const float* q2, const float* q3, const T* k, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m256 ka = pagedserve::load8(k + d), kb = pagedserve::load8(k + d + 8);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), ka, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), ka, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), ka, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), ka, a3);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), kb, b0);
+    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), kb, b1);
+    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d + 8), kb, b2);
+    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d + 8), kb, b3);
+  }
+  if (d < D) {
+    const __m256 ka = pagedserve::load8(k + d);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), ka, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), ka, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), ka, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), ka, a3);
+  }
+  const __m256 v0 = _mm256_add_ps(a0, b0), v1 = _mm256_add_ps(a1, b1);
+  const __m256 v2 = _mm256_add_ps(a2, b2), v3 = _mm256_add_ps(a3, b3);
+  // hsum8: the low half plus the high half; lanes 0 + 2 and 1 + 3; then those two
+  const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+  const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+  // r = dots 0, 2, 0, 2 | 1, 3, 1, 3
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+}
+
+// scores[j * len + p] = scale * <q_j, k_p> (without the scale where `scaled` is false) for the item's query
+// heads j over its context, up to four heads of a KV head at a time (dots4). The walk goes position by
+// position, all of the item's heads of a row together, so that the row is read front to back: taking four
+// positions of one head at a time (four rows' dots sharing the shuffles) was faster with K in cache but up
+// to 1.3x slower from memory. As walk_context, it asks for the next block's rows of the item's heads as it goes.
+template <typename T>
+void key_scores8(const Shape& sh, const T* kc, const int32_t* table, int64_t begin, int64_t full_len, int64_t h0,
+                 int64_t h1, const float* const* qj, bool scaled, float* scores, int64_t len) {
+  const int64_t bs = sh.block_size, stride = sh.slot_stride, D = sh.head_dim, G = sh.group;
+  const int64_t offset = h0 * D, values = (h1 - h0) * D;
+  const __m128 scale4 = _mm_set1_ps(sh.scale);
+  for (int64_t p0 = begin / bs * bs; p0 < full_len; p0 += bs) {
+    const T* block = kc + static_cast<int64_t>(table[p0 / bs]) * bs * stride;
+    const int64_t n = std::min(bs, full_len - p0);
+    const T* next = p0 + bs < full_len ? kc + static_cast<int64_t>(table[p0 / bs + 1]) * bs * stride + offset : nullptr;
+    const int64_t later = next != nullptr ? std::min(bs, full_len - p0 - bs) : 0;
+    const int64_t first = std::max<int64_t>(0, begin - p0);   // (a window may start inside the block)
+    for (int64_t i = 0; i < n; ++i) {
+      if (i < later)
+        for (int64_t f = 0; f < values; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
+          __builtin_prefetch(next + i * stride + f, 0, 2);
+      if (i < first) continue;
+      const int64_t p = p0 + i - begin;
+      for (int64_t h = h0; h < h1; ++h) {
+        const T* k = block + i * stride + h * D;
+        // the query heads of KV head h, four at a time (a last group of fewer repeats its first head)
+        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j += 4) {
+          const int64_t c = std::min<int64_t>(4, (h - h0 + 1) * G - j);
+          const __m128 dots = dots4(qj[j], qj[j + (c > 1)], qj[j + (c > 2) * 2], qj[j + (c > 3) * 3], k, D);
+          alignas(16) float out[4];
+          _mm_store_ps(out, scaled ? _mm_mul_ps(scale4, dots) : dots);
+          for (int64_t g = 0; g < c; ++g) scores[(j + g) * len + p] = out[g];
+        }
+      }
     }
   }
 }
@@ -484,6 +601,10 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   std::vector<const float*> qj(nq);
   for (int64_t j = 0; j < nq; ++j) qj[j] = as_float(qh + j * sh.q_head, qf.data() + j * D, D);
   // scores[j * len + p] = scale * <q_j, k_p>, for the item's query heads j
+#ifdef PAGEDSERVE_AVX2
+  if (kVector) key_scores8(sh, kc, table, begin, full_len, h0, h1, qj.data(), !sdpa, scores.data(), len);
+  else
+#endif
   walk_context(kc, table, begin, full_len, bs, sh.slot_stride, [&](int64_t p, const T* row) {
     for (int64_t h = h0; h < h1; ++h) {
       const float* k = as_float(row + h * D, row_f.data(), D);
@@ -499,9 +620,15 @@ void decode_one(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                       : finish_scores(sh, scores.data() + j * len, len, h0 * G + j, exp_shifted_sum_any<kVector>);
 #ifdef PAGEDSERVE_AVX2
   if (kVector) {
-    for (int64_t j = 0; j < nq; ++j)
-      values8(sh, vc, table, begin, full_len, h0 + j / G, scores.data() + j * len, inv_sum[j],
-              sdpa ? rescale.data() + j * blocks : nullptr, j % G == 0, o + tok * sh.o_tok + (h0 * G + j) * sh.o_head);
+    const float* wj[64];
+    const float* rj[64];
+    T* oj[64];
+    for (int64_t j = 0; j < nq; ++j) {
+      wj[j] = scores.data() + j * len;
+      rj[j] = rescale.data() + j * blocks;
+      oj[j] = o + tok * sh.o_tok + (h0 * G + j) * sh.o_head;
+    }
+    values8(sh, vc, table, begin, full_len, h0, h1, wj, inv_sum, sdpa ? rj : nullptr, oj);
     return;
   }
 #endif
