@@ -503,37 +503,29 @@ void values8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, 
     }
 }
 
-// <q_i, k> for four query heads q_0 .. q_3 at once, as dot() computes each (dimension blocks of 8 alternating
-// between two sums, added, then hsum8's tree), so the same bits: each of k's blocks is loaded (and widened)
-// once for the four, their FMA chains are in flight together and their horizontal sums share the shuffles.
-// Returns the four dots in order.
-template <typename T>
-inline __m128 dots4(const float* q0, const float* q1, const float* q2, const float* q3, const T* k, int64_t D) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+// <q_i, k> for C <= 4 query heads q[0 .. C) at once, as dot() computes each (dimension blocks of 8
+// alternating between two sums, added, then hsum8's tree), so the same bits: each of k's blocks is loaded
+// (and widened) once for the C heads, their FMA chains are in flight together and their horizontal sums
+// share the shuffles. Returns the C dots in order (the lanes past C hold copies).
+template <int C, typename T>
+inline __m128 dots4(const float* const* q, const T* k, int64_t D) {
+  __m256 a[4], b[4];
+  for (int c = 0; c < C; ++c) a[c] = b[c] = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
     const __m256 ka = pagedserve::load8(k + d), kb = pagedserve::load8(k + d + 8);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), ka, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), ka, a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), ka, a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), ka, a3);
-    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), kb, b0);
-    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d + 8), kb, b1);
-    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d + 8), kb, b2);
-    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d + 8), kb, b3);
+    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q[c] + d), ka, a[c]);
+    for (int c = 0; c < C; ++c) b[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q[c] + d + 8), kb, b[c]);
   }
   if (d < D) {
     const __m256 ka = pagedserve::load8(k + d);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), ka, a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + d), ka, a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + d), ka, a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + d), ka, a3);
+    for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q[c] + d), ka, a[c]);
   }
-  const __m256 v0 = _mm256_add_ps(a0, b0), v1 = _mm256_add_ps(a1, b1);
-  const __m256 v2 = _mm256_add_ps(a2, b2), v3 = _mm256_add_ps(a3, b3);
+  __m256 v[4];
+  for (int c = 0; c < 4; ++c) v[c] = c < C ? _mm256_add_ps(a[c], b[c]) : v[0];
   // hsum8: the low half plus the high half; lanes 0 + 2 and 1 + 3; then those two
-  const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
-  const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+  const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
   const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
   const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
@@ -567,10 +559,11 @@ void key_scores8(const Shape& sh, const T* kc, const int32_t* table, int64_t beg
       const int64_t p = p0 + i - begin;
       for (int64_t h = h0; h < h1; ++h) {
         const T* k = block + i * stride + h * D;
-        // the query heads of KV head h, four at a time (a last group of fewer repeats its first head)
+        // the query heads of KV head h, four at a time
         for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j += 4) {
           const int64_t c = std::min<int64_t>(4, (h - h0 + 1) * G - j);
-          const __m128 dots = dots4(qj[j], qj[j + (c > 1)], qj[j + (c > 2) * 2], qj[j + (c > 3) * 3], k, D);
+          const __m128 dots = c == 4 ? dots4<4>(qj + j, k, D) : c == 3 ? dots4<3>(qj + j, k, D)
+                            : c == 2 ? dots4<2>(qj + j, k, D) : dots4<1>(qj + j, k, D);
           alignas(16) float out[4];
           _mm_store_ps(out, scaled ? _mm_mul_ps(scale4, dots) : dots);
           for (int64_t g = 0; g < c; ++g) scores[(j + g) * len + p] = out[g];
@@ -1030,7 +1023,7 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
     for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
       const int64_t tok = toks[r], len = lens[r], end = sh.ends != nullptr ? sh.ends[r] : len;
-      const int64_t qrows = sh.qrows != nullptr ? sh.qrows[r] : 0;
+      [[maybe_unused]] const int64_t qrows = sh.qrows != nullptr ? sh.qrows[r] : 0;   // (AVX-512 only)
       const int32_t* table = tables + r * sh.max_blocks;
 #ifdef PAGEDSERVE_AVX512
       if (decode_avx512(sh, q, kc, vc, o, table, len, end, qrows, tok, h0, h0 + heads_per_item, scores)) continue;

@@ -26,8 +26,9 @@ def _batch(seed, num_seqs, max_len, heads, kv_heads, head_dim, block_size, decod
 
 
 # (heads, kv heads, head_dim): SmolLM2's 9/3/64, plain multi-head, 4 query heads per KV head with
-# head_dim 128, and head_dim 36 (not a multiple of 8: the scalar loops instead of AVX2)
-SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 3, 36)]
+# head_dim 128, 2 per KV head with head_dim 40 (a multiple of 8 but not of 16: the AVX2 dot's last block
+# and a value walk of one slice), and head_dim 36 (not a multiple of 8: the scalar loops instead of AVX2)
+SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 128), (8, 4, 40), (6, 3, 36)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
