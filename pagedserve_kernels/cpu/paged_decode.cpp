@@ -478,8 +478,9 @@ void value_sums8_upto(int64_t slices, const Shape& sh, const T* vc, const int32_
 }
 
 // The item's value sums, head_dim a multiple of 8: for each KV head, its query heads three at a time
-// (twelve sums in registers: 32 dimensions a walk) or one alone (64 dimensions a walk). w[j] (j the
-// item's query head), inv_sum[j], rescale[j] (or none); out[j] the output of query head j.
+// (the last group may hold two or one): three or two walk 32 dimensions together (up to twelve sums in
+// registers), one alone walks 64. w[j] (j the item's query head), inv_sum[j], rescale[j] (or none);
+// out[j] the output of query head j.
 template <typename T>
 void values8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len, int64_t h0,
              int64_t h1, const float* const* w, const float* inv_sum, const float* const* rescale, T* const* out) {

@@ -257,7 +257,14 @@ def test_the_map_is_the_pool_during_a_shared_prefix_parallel_sampling_batch(brow
         assert [status for status, _ in batch.result(timeout=300)] == [200] * 4
 
 
+# the hovered row's state and the highlighted cells of both grids, read together
+HOVERED = """() => { const li = document.querySelector('#seq-list li.active');
+  return li && {state: li.dataset.state, cpu: document.querySelectorAll('.grid.cpu .cell.hl').length,
+                device: document.querySelectorAll('.grid.device .cell.hl').length}; }"""
+
+
 def test_swapped_sequences_move_to_the_cpu_grid_and_back(browser, small):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout   # (installed: the fixture has it)
     with Page(browser, small) as tab:                        # no --api-key here: no question asked
         p = tab.page
         assert not p.locator("#key-dialog").is_visible()
@@ -265,11 +272,24 @@ def test_swapped_sequences_move_to_the_cpu_grid_and_back(browser, small):
                    "temperature": 0} for i in range(6)]
         batch = completions(small, bodies)
         wait_until(p, "document.querySelectorAll('.grid.cpu .cell.held').length > 0", 90)
-        swapped = p.locator("#seq-list li[data-state='swapped']")
-        assert swapped.count() > 0
-        swapped.first.hover()
-        assert p.locator(".grid.cpu .cell.hl").count() > 0      # its table is in the CPU pool now
-        assert p.locator(".grid.device .cell.hl").count() == 0
+        # a swapped sequence may come back in between finding its row and reading the grids (the page
+        # redraws the list and both grids from each new snapshot), so the hovered row's state and both
+        # grids' highlights are read in one evaluation, of one drawing; hover again until the row read
+        # is still swapped
+        seen, deadline = None, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            swapped = p.locator("#seq-list li[data-state='swapped']")
+            if swapped.count() > 0:
+                try:
+                    swapped.first.hover(timeout=2000)
+                except PlaywrightTimeout:   # its row changed state before the mouse got there
+                    continue
+                seen = p.evaluate(HOVERED)
+                if seen and seen["state"] == "swapped":
+                    break
+            time.sleep(0.05)
+        assert seen and seen["state"] == "swapped", seen
+        assert seen["cpu"] > 0 and seen["device"] == 0, seen   # its table is in the CPU pool now
         p.mouse.move(0, 0)
         assert [status for status, _ in batch.result(timeout=300)] == [200] * 6
         assert debug_kv(small)["preemptions"]["swap"] > 0
