@@ -137,6 +137,42 @@ inline const float* as_float(const bf16* row, float* buf, int64_t n) {
   return buf;
 }
 
+// One block of a walk over positions [begin, len) of a sequence: its rows in `cache` (`rows`, slot 0; a row
+// holds every KV head), how many (`n`), the first at or past `begin` (`first`: a window may start inside
+// the block), and where to ask for the next block's rows (`next`, already `offset` into each row, and
+// `later` rows of it; none where offset < 0 or this block is the last). The next block sits anywhere in
+// the pool, where the hardware's prefetcher cannot guess it: a walk asks for the part of its rows it reads
+// while this block is worked on, row i of the next block beside row i of this one (ask_row), so that the
+// requests trickle out as the walk goes instead of queueing all at once behind the core's few outstanding
+// misses. Into L2 (locality 2): asked into L1, a 64-row walk over a shuffled pool was no faster than with
+// no prefetch at all.
+template <typename T>
+struct BlockSpan {
+  const T* rows;
+  const T* next;
+  int64_t n, first, later;
+};
+
+template <typename T>
+inline BlockSpan<T> block_span(const T* cache, const int32_t* table, int64_t p0, int64_t begin, int64_t len,
+                               int64_t block_size, int64_t slot_stride, int64_t offset) {
+  const int64_t block = p0 / block_size;
+  const bool ask = offset >= 0 && p0 + block_size < len;
+  return {cache + static_cast<int64_t>(table[block]) * block_size * slot_stride,
+          ask ? cache + static_cast<int64_t>(table[block + 1]) * block_size * slot_stride + offset : nullptr,
+          std::min(block_size, len - p0), std::max<int64_t>(0, begin - p0),
+          ask ? std::min(block_size, len - p0 - block_size) : 0};
+}
+
+// asks for `values` values of row i of the span's next block (a cache line at a time). The span is taken by
+// value: through a const reference GCC 12 dropped every prefetch of the file (none left in its assembly)
+template <typename T>
+inline void ask_row(BlockSpan<T> span, int64_t i, int64_t slot_stride, int64_t values) {
+  if (i < span.later)
+    for (int64_t f = 0; f < values; f += 64 / static_cast<int64_t>(sizeof(T)))
+      __builtin_prefetch(span.next + i * slot_stride + f, 0, 2);
+}
+
 // fn(p - begin, row) for every position begin <= p < len of a sequence, `row` its slot's row (all KV
 // heads) in `cache`; blocks wholly before `begin` are not touched
 template <typename T, typename Fn>
@@ -144,22 +180,10 @@ inline void walk_context(const T* cache, const int32_t* table, int64_t begin, in
                          int64_t block_size, int64_t slot_stride, Fn fn, int64_t prefetch_offset = -1,
                          int64_t prefetch_values = 0) {
   for (int64_t p0 = begin / block_size * block_size; p0 < len; p0 += block_size) {
-    const T* block = cache + static_cast<int64_t>(table[p0 / block_size]) * block_size * slot_stride;
-    const int64_t n = std::min(block_size, len - p0);
-    // the next block sits anywhere in the pool, where the hardware's prefetcher cannot guess it: ask
-    // for the part of its rows this walk reads while this block is worked on, row i of the next block
-    // beside row i of this one, so that the requests trickle out as the walk goes instead of queueing
-    // all at once behind the core's few outstanding misses. Into L2 (locality 2): asked into L1, a
-    // 64-row walk over a shuffled pool was no faster than with no prefetch at all
-    const T* next = prefetch_offset >= 0 && p0 + block_size < len
-        ? cache + static_cast<int64_t>(table[p0 / block_size + 1]) * block_size * slot_stride : nullptr;
-    const int64_t ahead = next != nullptr ? std::min(block_size, len - p0 - block_size) : 0;
-    const int64_t first = std::max<int64_t>(0, begin - p0);   // (a window may start inside the block)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i < ahead)
-        for (int64_t f = 0; f < prefetch_values; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
-          __builtin_prefetch(next + i * slot_stride + prefetch_offset + f, 0, 2);
-      if (i >= first) fn(p0 + i - begin, block + i * slot_stride);
+    const BlockSpan<T> span = block_span(cache, table, p0, begin, len, block_size, slot_stride, prefetch_offset);
+    for (int64_t i = 0; i < span.n; ++i) {
+      ask_row(span, i, slot_stride, prefetch_values);
+      if (i >= span.first) fn(p0 + i - begin, span.rows + i * slot_stride);
     }
   }
 }
@@ -416,10 +440,11 @@ inline bool sdpa_order(const Shape& sh) {
 // The weighted sums of the value rows (float32, or bfloat16 widened) for G query heads that share KV head
 // h, dimensions [d0, d0 + 8 S): G * S eight-lane sums in registers while the walk goes, each value loaded
 // once for the G heads. Per output the same FMAs in the same order as axpy's (over the positions in order),
-// so the same bits. The walk is written out here rather than through walk_context: with the sums captured
-// by a lambda, GCC stored every one of them to the stack at each position. With `rescale` (torch's SDPA
-// steps), head g's sums are multiplied by rescale[g][b] before the first position of each block b >= 1 of
-// kSdpaBlock, as the walk in memory does. out[g][0 .. 8 S) = the sums * inv_sum[g], rounded to T.
+// so the same bits. The walk goes block by block here (block_span, ask_row) rather than through
+// walk_context: with the sums captured by its lambda, GCC stored every one of them to the stack at each
+// position. With `rescale` (torch's SDPA steps), head g's sums are multiplied by rescale[g][b] before the
+// first position of each block b >= 1 of kSdpaBlock, as the walk in memory does. out[g][0 .. 8 S) = the
+// sums * inv_sum[g], rounded to T.
 // `ahead`: ask for the next block's part of the rows this walk reads (the first walk over them).
 template <int G, int S, typename T>
 void value_sums8(const Shape& sh, const T* vc, const int32_t* table, int64_t begin, int64_t full_len,
@@ -430,18 +455,11 @@ void value_sums8(const Shape& sh, const T* vc, const int32_t* table, int64_t beg
     for (int s = 0; s < S; ++s) acc[g][s] = _mm256_setzero_ps();
   const int64_t bs = sh.block_size, stride = sh.slot_stride, offset = h * sh.head_dim + d0;
   for (int64_t p0 = begin / bs * bs; p0 < full_len; p0 += bs) {
-    const T* block = vc + static_cast<int64_t>(table[p0 / bs]) * bs * stride + offset;
-    const int64_t n = std::min(bs, full_len - p0);
-    // as walk_context asks for the next block: row i of it beside row i of this one
-    const T* next = ahead && p0 + bs < full_len ? vc + static_cast<int64_t>(table[p0 / bs + 1]) * bs * stride + offset
-                                                : nullptr;
-    const int64_t later = next != nullptr ? std::min(bs, full_len - p0 - bs) : 0;
-    const int64_t first = std::max<int64_t>(0, begin - p0);   // (a window may start inside the block)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i < later)
-        for (int64_t f = 0; f < 8 * S; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
-          __builtin_prefetch(next + i * stride + f, 0, 2);
-      if (i < first) continue;
+    const BlockSpan<T> span = block_span(vc, table, p0, begin, full_len, bs, stride, ahead ? offset : -1);
+    const T* block = span.rows + offset;
+    for (int64_t i = 0; i < span.n; ++i) {
+      ask_row(span, i, stride, 8 * S);
+      if (i < span.first) continue;
       const int64_t p = p0 + i - begin;
       if (rescale != nullptr && p > 0 && p % kSdpaBlock == 0)
         for (int g = 0; g < G; ++g) {
@@ -539,7 +557,7 @@ inline __m128 dots4(const float* const* q, const T* k, int64_t D) {
 // heads j over its context, up to four heads of a KV head at a time (dots4). The walk goes position by
 // position, all of the item's heads of a row together, so that the row is read front to back: taking four
 // positions of one head at a time (four rows' dots sharing the shuffles) was faster with K in cache but up
-// to 1.3x slower from memory. As walk_context, it asks for the next block's rows of the item's heads as it goes.
+// to 1.3x slower from memory. It asks for the next block's rows of the item's heads as it goes (ask_row).
 template <typename T>
 void key_scores8(const Shape& sh, const T* kc, const int32_t* table, int64_t begin, int64_t full_len, int64_t h0,
                  int64_t h1, const float* const* qj, bool scaled, float* scores, int64_t len) {
@@ -547,19 +565,13 @@ void key_scores8(const Shape& sh, const T* kc, const int32_t* table, int64_t beg
   const int64_t offset = h0 * D, values = (h1 - h0) * D;
   const __m128 scale4 = _mm_set1_ps(sh.scale);
   for (int64_t p0 = begin / bs * bs; p0 < full_len; p0 += bs) {
-    const T* block = kc + static_cast<int64_t>(table[p0 / bs]) * bs * stride;
-    const int64_t n = std::min(bs, full_len - p0);
-    const T* next = p0 + bs < full_len ? kc + static_cast<int64_t>(table[p0 / bs + 1]) * bs * stride + offset : nullptr;
-    const int64_t later = next != nullptr ? std::min(bs, full_len - p0 - bs) : 0;
-    const int64_t first = std::max<int64_t>(0, begin - p0);   // (a window may start inside the block)
-    for (int64_t i = 0; i < n; ++i) {
-      if (i < later)
-        for (int64_t f = 0; f < values; f += 64 / static_cast<int64_t>(sizeof(T)))   // a cache line
-          __builtin_prefetch(next + i * stride + f, 0, 2);
-      if (i < first) continue;
+    const BlockSpan<T> span = block_span(kc, table, p0, begin, full_len, bs, stride, offset);
+    for (int64_t i = 0; i < span.n; ++i) {
+      ask_row(span, i, stride, values);
+      if (i < span.first) continue;
       const int64_t p = p0 + i - begin;
       for (int64_t h = h0; h < h1; ++h) {
-        const T* k = block + i * stride + h * D;
+        const T* k = span.rows + i * stride + h * D;
         // the query heads of KV head h, four at a time
         for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j += 4) {
           const int64_t c = std::min<int64_t>(4, (h - h0 + 1) * G - j);
