@@ -158,7 +158,7 @@ class LlamaForward:
         self.norms = [(layer.input_norm.weight, layer.input_norm.variance_epsilon) for layer in self.layers]
         self.norms.append((self.model.norm.weight, self.model.norm.variance_epsilon))
         self.post_norms = [(layer.post_norm.weight, layer.post_norm.variance_epsilon) for layer in self.layers]
-        self._route_cap = 1 + max([linear_ops.BF16_CODES_MAX_ROWS] + [lin.skinny_max_rows for lin in self.linears()])
+        self._route_cap = max(lin.rows_cap for lin in self.linears())
         self._route_cache: dict[int, list[tuple]] = {}
         self._pool, self._pool_views = None, []
         self.coded_layers = self._coded_layers()

@@ -16,6 +16,9 @@ bfloat16, by what the CPU has:
   (a few rows are bound by reading the weights; codes are a third of the bytes); with AVX512-BF16 in
   oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
+- AVX2 alone: torch's own GEMM is `F.linear`'s route, and every row count takes the kernel that sums in
+  its order (pagedserve_kernels/cpu/bf16_dots_linear.cpp); a weight that is Q4_1 codes rounded to
+  bfloat16 reads its codes for up to DOTS_CODES_MAX_ROWS rows, in the same order (the same bits).
 
 float32:
 
@@ -52,6 +55,10 @@ SKINNY_MAX_ROWS = 8
 # rows are bound by reading the weights), more through oneDNN's GEMM, whose bfloat16 dot products beat
 # the codes' expansion from about 8 rows on (every product of SmolLM2: bench/route_rows.py)
 BF16_CODES_MAX_ROWS = 4
+# AVX2 alone: bfloat16 weights that are Q4_1 codes, in the order of torch's own GEMM: up to this many rows
+# through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
+# expansion of every code costs more than reading the weight saves (docs/performance.md)
+DOTS_CODES_MAX_ROWS = 5
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 # oneDNN generates its GEMM's code the first time it meets a row count (its cache then keeps it): a few
 # milliseconds a weight shape, which a decode step pays once for each new batch size. warm_up has that done
@@ -130,7 +137,9 @@ class RoutedLinear:
         self.dots = self.kernel is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 64 == 0 \
             and bf16_dots_kernel(self.kernel)
         self.packed = _pack(weight) if many_rows and self.dot is None and not self.dots else None
+        self.dots_codes = None
         if self.dots:
+            self.dots_codes = _dots_codes(self.kernel, self.codes, weight)
             self.codes = None
         # bfloat16 codes that only serve a few rows, where the build has the dot product: in its pair order
         if self.codes is not None and not wide and (self.dot is not None or self.packed is not None) \
@@ -138,8 +147,8 @@ class RoutedLinear:
             self.codes = self.codes.paired_order()
         self.skinny_max_rows = skinny_max_rows
         # the route of each row count, chosen on its first call: routes differ only up to a few rows,
-        # so every count from `_rows_cap` on shares one entry
-        self._rows_cap = 1 + max(BF16_CODES_MAX_ROWS, skinny_max_rows)
+        # so every count from `rows_cap` on shares one entry
+        self.rows_cap = 1 + max(BF16_CODES_MAX_ROWS, DOTS_CODES_MAX_ROWS, skinny_max_rows)
         self._by_rows: dict[int, object] = {}
 
     @property
@@ -151,7 +160,7 @@ class RoutedLinear:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        key = min(rows, self._rows_cap)
+        key = min(rows, self.rows_cap)
         route = self._by_rows.get(key)
         if route is None:
             route = self._by_rows[key] = self.route(key)
@@ -168,6 +177,9 @@ class RoutedLinear:
         weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
         if weight.dtype == torch.bfloat16:
             if self.dots:
+                if self.dots_codes is not None and rows <= DOTS_CODES_MAX_ROWS:
+                    row_codes, scale_min = self.dots_codes
+                    return lambda x, one_row=None: kernel.bf16_dots_codes_linear(x, row_codes, scale_min)
                 return lambda x, one_row=None: kernel.bf16_dots_linear(x, weight)
             if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
                 few = codes.product(kernel)
@@ -187,6 +199,17 @@ class RoutedLinear:
             packed = self.packed
             return lambda x, one_row=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
         return lambda x, one_row=None: F.linear(x, weight, bias)
+
+
+def _dots_codes(kernel, codes: quantized.Codes | None, weight: torch.Tensor):
+    """A bfloat16 weight's Q4_1 codes laid out row by row for `bf16_dots_codes_linear` (codes, scale_min),
+    if the kernel's own expansion and rounding give the weight back bit for bit; else None."""
+    if codes is None or codes.kind != "q4_1" or not hasattr(kernel, "bf16_dots_codes_linear"):
+        return None
+    row_codes, scale_min = codes.row_blocks()
+    same = torch.equal(kernel.bf16_dots_codes_expand(row_codes, scale_min).view(torch.int16),
+                       weight.detach().view(torch.int16))
+    return (row_codes, scale_min) if same else None
 
 
 def routed_in(model: torch.nn.Module) -> list[RoutedLinear]:
@@ -251,7 +274,7 @@ def route_counts(linears) -> dict[str, int]:
     or the AVX512-BF16 kernel's), and take bfloat16 products in the order of torch's own GEMM."""
     counts = {"codes": 0, "kernel": 0, "packed": 0, "dots": 0}
     for routed in linears:
-        counts["codes"] += routed.codes is not None
+        counts["codes"] += routed.codes is not None or routed.dots_codes is not None
         counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.weight.dtype == torch.float32
         counts["packed"] += routed.packed is not None or routed.dot is not None
         counts["dots"] += routed.dots

@@ -88,6 +88,27 @@ class Codes:
                 codes = self.codes.view(groups, lines // 2, lanes, 2).transpose(2, 3).reshape(groups, lines, lanes)
         return Codes(self.kind, codes.contiguous(), self.scales, self.mins)
 
+    def row_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q4_1 codes row by row in GGUF's own block layout, for `bf16_dots_codes_linear`
+        (pagedserve_kernels/cpu/bf16_dots_linear.cpp): codes uint8 [N, K / 2], the 16 bytes of block b of
+        row n holding inputs 32 b + j (low nibble) and 32 b + 16 + j (high nibble) in byte j; and each
+        block's scale and minimum as float32 [N, K / 32, 2] (exact: they are float16 values)."""
+        if self.kind != "q4_1":
+            raise ValueError("row_blocks lays out Q4_1 codes")
+        plain = self.plain_order()
+        groups, lines, lanes = plain.codes.shape
+        n, k = groups * lanes, lines * 2
+        with torch.no_grad():
+            # [groups, K / 2, 16 rows] bytes of inputs (2j, 2j + 1) -> [N, K] codes
+            codes = torch.stack((plain.codes & 15, plain.codes >> 4), dim=-1).permute(0, 2, 1, 3).reshape(n, k)
+            halves = codes.view(n, k // BLOCK, 2, BLOCK // 2)
+            rows = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+            def by_row(t: torch.Tensor) -> torch.Tensor:   # [groups, K / 32, 16] -> [N, K / 32]
+                return t.permute(0, 2, 1).reshape(n, k // BLOCK).float()
+            scale_min = torch.stack((by_row(plain.scales), by_row(plain.mins)), dim=-1).contiguous()
+        return rows, scale_min
+
     @staticmethod
     def cat(parts: list[Codes | None]) -> Codes | None:
         """The codes of the weights stacked along their outputs (each a whole number of groups), or None

@@ -19,6 +19,16 @@
 // put back in place before they fold. x is widened into a 64-byte aligned buffer: from a 16-byte
 // aligned one, half of the 32-byte loads of x straddled two cache lines. K must be a multiple of 64
 // (the tails torch adds after the blocks are not followed; ops/linear.py routes other shapes to torch).
+//
+// bf16_dots_codes_linear takes the same sums for a few rows from a weight held as GGUF Q4_1 codes, where
+// the bfloat16 weight is those codes expanded in float32 (scale * code + min) and rounded to bfloat16:
+// a few rows are bound by reading the weights, and the codes are 20 bytes a block of 32 inputs against
+// 64. Its layout is GGUF's own, row by row (ops/quantized.py, Codes.row_blocks): for output n and block
+// b of 32 inputs, 16 bytes at codes[n, 16 b], byte j holding the code of input 32 b + j in its low
+// nibble and of input 32 b + 16 + j in its high one, and the block's scale and minimum at
+// scale_min[n, b] (float32, each a float16 value). Each weight is expanded and rounded in registers and
+// multiplied at once, in the vector position the sums above give it: the same bits as bf16_dots_linear
+// on the bfloat16 weight, which ops/linear.py checks at load (bf16_dots_codes_expand) before routing.
 #include "aten.h"
 
 #include <algorithm>
@@ -107,9 +117,140 @@ void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
   y[n] = pagedserve::from_float<bf16>(fold(sums));
 }
 
+// w rounded to bfloat16 (nearest, ties to even), as float32: with c = +-2^e for w's exponent e (its sign
+// and exponent bits), t = w + 2^16 c rounds w on bfloat16's grid at w (float32's grid at 2^(e + 16) is
+// 2^(e - 7)), and t - 2^16 c is exact; each an FMA, so 2^16 c is never rounded. One mask and two FMAs:
+// five integer operations (the usual rounding) or two float additions cost more on this loop. Exact for
+// normal w and +0; -0 and subnormal values come out otherwise (the load check turns such codes down).
+inline __m256 bf16_grid8(__m256 w) {
+  const __m256 c = _mm256_and_ps(w, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFF800000u))));
+  const __m256 scale = _mm256_set1_ps(65536.0f);
+  return _mm256_fnmadd_ps(c, scale, _mm256_fmadd_ps(c, scale, w));
+}
+
+// the bfloat16 weights of eight codes (32-bit lanes) of a block with scale d and minimum m
+inline __m256 code_weights8(__m256i codes, __m256 d, __m256 m) {
+  return bf16_grid8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), d, m));
+}
+
+// A block's eight codes at p as 32-bit lanes (both nibbles of each byte)
+inline __m256i code_bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// rows [m0, m0 + R) x output n from its Q4_1 codes. The 64 inputs of a sum's block are four units of
+// 16 codes (the low and high nibbles of 8 bytes: unit u is block u / 2 of 32, bytes 8 (u % 2) ..), one
+// unit two vector positions (v = 4 (u / 2) + u % 2 from the low nibbles, v + 2 from the high). A pass
+// over the row takes U units of every block with their 2 U R running sums in registers, so more rows
+// take more passes (each code still expanded once); the sums then fold as bf16_dots_linear's.
+template <int R, int U>
+void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, bf16* y, int64_t m0, int64_t n,
+                int64_t K, int64_t N) {
+  const uint8_t* row = codes + n * (K / 2);
+  const float* sm = scale_min + n * (K / 16);
+  const __m256i low = _mm256_set1_epi32(15);
+  __m256 sums[R][kSums];
+  for (int u0 = 0; u0 < 4; u0 += U) {
+    __m256 acc[R][2 * U];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * U; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += kBlock) {
+#pragma GCC unroll 4
+      for (int j = 0; j < U; ++j) {
+        const int64_t u = u0 + j, block = k / 32 + u / 2, v = 4 * (u / 2) + u % 2;
+        const __m256 d = _mm256_broadcast_ss(sm + 2 * block), m = _mm256_broadcast_ss(sm + 2 * block + 1);
+        const __m256i c = code_bytes8(row + 16 * block + 8 * (u % 2));
+        const __m256 lo = code_weights8(_mm256_and_si256(c, low), d, m);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes * v), lo, acc[r][2 * j]);
+        const __m256 hi = code_weights8(_mm256_srli_epi32(c, 4), d, m);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes * (v + 2)), hi,
+                                              acc[r][2 * j + 1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < U; ++j) {
+      const int u = u0 + j, v = 4 * (u / 2) + u % 2;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sums[r][v] = acc[r][2 * j], sums[r][v + 2] = acc[r][2 * j + 1];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
+}
+
 #endif
 
+// checks bf16_dots_codes_linear's weight: codes uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]
+void check_codes(const at::Tensor& codes, const at::Tensor& scale_min, int64_t K, const char* what) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() && K % kBlock == 0 &&
+              codes.size(1) * 2 == K, what, ": codes uint8 [N, K / 2], contiguous, K a multiple of 64");
+  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.dim() == 3 && scale_min.is_contiguous() &&
+              scale_min.size(0) == codes.size(0) && scale_min.size(1) * 32 == K && scale_min.size(2) == 2,
+              what, ": scale_min float32 [N, K / 32, 2], contiguous");
+}
+
 }  // namespace
+
+at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "bf16_dots_codes_linear: x [M, K] bfloat16, contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.dim() == 2 ? codes.size(0) : 0;
+  check_codes(codes, scale_min, K, "bf16_dots_codes_linear");
+  auto y = at::empty({M, N}, x.options());
+#ifdef PAGEDSERVE_AVX2
+  if (M == 0 || N == 0) return y;
+  const at::Tensor widened = at::empty({M, K}, x.options().dtype(at::kFloat));
+  float* const xf = widened.data_ptr<float>();
+  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < M * K; i += kLanes) _mm256_storeu_ps(xf + i, pagedserve::load8(xp + i));
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale_min.data_ptr<float>();
+  auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+        switch (std::min(kTileRows, M - m0)) {
+          case 1: codes_tile<1, 4>(xf, cp, sp, yp, m0, n, K, N); break;
+          case 2: codes_tile<2, 2>(xf, cp, sp, yp, m0, n, K, N); break;
+          case 3: codes_tile<3, 1>(xf, cp, sp, yp, m0, n, K, N); break;
+          default: codes_tile<kTileRows, 1>(xf, cp, sp, yp, m0, n, K, N); break;
+        }
+  });
+#else
+  TORCH_CHECK(false, "bf16_dots_codes_linear: this build has no AVX2/FMA path");
+#endif
+  return y;
+}
+
+at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min) {
+  const int64_t N = codes.dim() == 2 ? codes.size(0) : 0, K = codes.dim() == 2 ? codes.size(1) * 2 : 0;
+  check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
+  auto w = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
+#ifdef PAGEDSERVE_AVX2
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale_min.data_ptr<float>();
+  auto* wp = reinterpret_cast<bf16*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t b = n0 * (K / 32); b < n1 * (K / 32); ++b) {   // every block of rows n0 .. n1
+      const __m256 d = _mm256_broadcast_ss(sp + 2 * b), m = _mm256_broadcast_ss(sp + 2 * b + 1);
+      for (int t = 0; t < 2; ++t) {
+        const __m256i c = code_bytes8(cp + 16 * b + 8 * t);
+        // the weights as bfloat16: bf16_grid8 leaves the low halves zero
+        pagedserve::store8(wp + 32 * b + 8 * t, code_weights8(_mm256_and_si256(c, _mm256_set1_epi32(15)), d, m));
+        pagedserve::store8(wp + 32 * b + 16 + 8 * t, code_weights8(_mm256_srli_epi32(c, 4), d, m));
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "bf16_dots_codes_expand: this build has no AVX2/FMA path");
+#endif
+  return w;
+}
 
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),

@@ -27,6 +27,8 @@ bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
+at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min);
+at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min);
 bool has_q8_argmax();
 std::string q8_argmax_kind();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
@@ -75,6 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());
   m.def("bf16_dots_linear", &bf16_dots_linear, "x [M, K] . W[N, K]^T in bfloat16 in the order of torch's own GEMM (its route where "
         "oneDNN has no bfloat16 for the CPU); K a multiple of 64; needs the AVX2 paths (vectorized)");
+  m.def("bf16_dots_codes_linear", &bf16_dots_codes_linear, "bf16_dots_linear's sums with W held as Q4_1 codes row by row "
+        "(codes uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]: Codes.row_blocks), each weight rounded to bfloat16");
+  m.def("bf16_dots_codes_expand", &bf16_dots_codes_expand, "the bfloat16 weights [N, K] that bf16_dots_codes_linear multiplies");
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI or AVX2)");
   m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");

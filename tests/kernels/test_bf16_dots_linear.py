@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops import linear
+from ops import linear, quantized
+from tests.helpers import q4_1_form
 
 
 def _in_torchs_order(x: torch.Tensor, w: torch.Tensor, lanes_in_turn: bool = False) -> torch.Tensor:
@@ -100,3 +101,72 @@ def test_bad_inputs_are_refused(kernel):
     with pytest.raises(RuntimeError, match="x \\[M, K\\] bfloat16"):
         kernel.bf16_dots_linear(torch.zeros(2, 128), w)
     assert kernel.bf16_dots_linear(torch.zeros(0, 128, dtype=torch.bfloat16), w).shape == (0, 8)
+
+
+def _q4_1_bf16(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, quantized.Codes]:
+    """A bfloat16 weight [n, k] that is GGUF Q4_1 codes expanded and rounded, with its codes; its blocks
+    span magnitudes (so that many weights round), and some rows land on bfloat16's ties: scale 2^-8 and
+    minimum 1 make codes 1, 3, 5 .. halfway between two bfloat16 values."""
+    wide = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-8, 4, (n, k // 32, 1), generator=gen)
+                                                        .float()).repeat_interleave(32, 1).view(n, k)
+    wide = q4_1_form(wide)
+    ties = torch.arange(16).float().repeat(k // 16) * 2.0 ** -8 + 1.0   # codes 0..15 over every block
+    wide[1] = ties
+    wide[2] = -ties.flip(0)
+    codes = quantized.find_codes(wide)
+    assert codes is not None and codes.kind == "q4_1"
+    narrow = wide.to(torch.bfloat16)
+    assert not torch.equal(narrow.float(), wide)   # the rounding is not a no-op on these weights
+    return narrow, codes
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48), (128, 16)])   # (K, N)
+def test_q4_1_codes_give_the_weights_sums(kernel, shape):
+    _need_kernel_path(kernel)
+    K, N = shape
+    gen = torch.Generator().manual_seed(K + N)
+    w, codes = _q4_1_bf16(N, K, gen)
+    rows, scale_min = codes.row_blocks()
+    assert rows.shape == (N, K // 2) and rows.dtype == torch.uint8 and scale_min.shape == (N, K // 32, 2)
+    # the kernel's expansion and rounding give the bfloat16 weight bit for bit, ties to even included
+    assert torch.equal(kernel.bf16_dots_codes_expand(rows, scale_min).view(torch.int16), w.view(torch.int16))
+    for m in (1, 2, 3, 4, 5, 9):
+        x = _cancelling(m, K, gen)
+        got = kernel.bf16_dots_codes_linear(x, rows, scale_min)
+        assert torch.equal(got, kernel.bf16_dots_linear(x, w)), m
+        assert torch.equal(got, _in_torchs_order(x, w)), m
+
+
+def test_the_layers_read_q4_1_codes_for_few_rows_where_they_sum_in_torchs_order(kernel):
+    w, codes = _q4_1_bf16(576, 1536, torch.Generator().manual_seed(4))
+    routed = linear.RoutedLinear(w, None, kernel, packed=True, codes=codes)
+    if not linear.bf16_dots_kernel(kernel):
+        assert routed.dots_codes is None
+        return
+    assert routed.dots and routed.dots_codes is not None
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for rows in range(1, linear.DOTS_CODES_MAX_ROWS + 2):
+            x = _cancelling(rows, 1536, gen)
+            assert torch.equal(routed(x), F.linear(x, w)), rows
+    # codes that do not give this weight back are not read
+    other = linear.RoutedLinear((w.float() * 1.01).to(torch.bfloat16), None, kernel, packed=True, codes=codes)
+    assert other.dots and other.dots_codes is None
+    assert linear.route_counts([routed, other]) == {"codes": 1, "kernel": 0, "packed": 0, "dots": 2}
+
+
+def test_bad_codes_are_refused(kernel):
+    _need_kernel_path(kernel)
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    codes, scale_min = torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 4, 2)
+    assert kernel.bf16_dots_codes_linear(x, codes, scale_min).shape == (2, 8)
+    with pytest.raises(RuntimeError, match="codes uint8 \\[N, K / 2\\]"):
+        kernel.bf16_dots_codes_linear(torch.zeros(2, 96, dtype=torch.bfloat16), codes, scale_min)
+    with pytest.raises(RuntimeError, match="codes uint8"):
+        kernel.bf16_dots_codes_linear(x, codes.view(torch.int8), scale_min)
+    with pytest.raises(RuntimeError, match="scale_min float32"):
+        kernel.bf16_dots_codes_linear(x, codes, scale_min.half())
+    with pytest.raises(RuntimeError, match="scale_min float32"):
+        kernel.bf16_dots_codes_linear(x, codes, torch.zeros(8, 2, 2))
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] bfloat16"):
+        kernel.bf16_dots_codes_linear(x.float(), codes, scale_min)
