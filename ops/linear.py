@@ -17,7 +17,7 @@ bfloat16, by what the CPU has:
   oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
 - AVX2 alone: torch's own GEMM is `F.linear`'s route, and every row count takes the kernel that sums in
-  its order (pagedserve_kernels/cpu/bf16_dots_linear.cpp); a weight that is Q4_1 codes rounded to
+  its order (pagedserve_kernels/cpu/bf16_dots_linear.cpp); a weight that is GGUF codes rounded to
   bfloat16 reads its codes for up to DOTS_CODES_MAX_ROWS rows, in the same order (the same bits).
 
 float32:
@@ -55,7 +55,7 @@ SKINNY_MAX_ROWS = 8
 # rows are bound by reading the weights), more through oneDNN's GEMM, whose bfloat16 dot products beat
 # the codes' expansion from about 8 rows on (every product of SmolLM2: bench/route_rows.py)
 BF16_CODES_MAX_ROWS = 4
-# AVX2 alone: bfloat16 weights that are Q4_1 codes, in the order of torch's own GEMM: up to this many rows
+# AVX2 alone: bfloat16 weights that are GGUF codes, in the order of torch's own GEMM: up to this many rows
 # through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
 # expansion of every code costs more than reading the weight saves (docs/performance.md)
 DOTS_CODES_MAX_ROWS = 5
@@ -202,9 +202,9 @@ class RoutedLinear:
 
 
 def _dots_codes(kernel, codes: quantized.Codes | None, weight: torch.Tensor):
-    """A bfloat16 weight's Q4_1 codes laid out row by row for `bf16_dots_codes_linear` (codes, scale_min),
+    """A bfloat16 weight's GGUF codes laid out row by row for `bf16_dots_codes_linear` (codes, scale_min),
     if the kernel's own expansion and rounding give the weight back bit for bit; else None."""
-    if codes is None or codes.kind != "q4_1" or not hasattr(kernel, "bf16_dots_codes_linear"):
+    if codes is None or not hasattr(kernel, "bf16_dots_codes_linear"):
         return None
     row_codes, scale_min = codes.row_blocks()
     same = torch.equal(kernel.bf16_dots_codes_expand(row_codes, scale_min).view(torch.int16),

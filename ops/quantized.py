@@ -89,25 +89,30 @@ class Codes:
         return Codes(self.kind, codes.contiguous(), self.scales, self.mins)
 
     def row_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Q4_1 codes row by row in GGUF's own block layout, for `bf16_dots_codes_linear`
-        (pagedserve_kernels/cpu/bf16_dots_linear.cpp): codes uint8 [N, K / 2], the 16 bytes of block b of
-        row n holding inputs 32 b + j (low nibble) and 32 b + 16 + j (high nibble) in byte j; and each
-        block's scale and minimum as float32 [N, K / 32, 2] (exact: they are float16 values)."""
-        if self.kind != "q4_1":
-            raise ValueError("row_blocks lays out Q4_1 codes")
+        """The codes row by row in GGUF's own block layout, for `bf16_dots_codes_linear`
+        (pagedserve_kernels/cpu/bf16_dots_linear.cpp), and each block's scale (and minimum) as float32
+        [N, K / 32, 2] (Q4_1) or [N, K / 32, 1] (Q8_0), exact since they are float16 values. Q4_1: uint8
+        [N, K / 2], the 16 bytes of block b of row n holding inputs 32 b + j (low nibble) and 32 b + 16 + j
+        (high nibble) in byte j; Q8_0: int8 [N, K]."""
         plain = self.plain_order()
         groups, lines, lanes = plain.codes.shape
-        n, k = groups * lanes, lines * 2
+        n = groups * lanes
         with torch.no_grad():
-            # [groups, K / 2, 16 rows] bytes of inputs (2j, 2j + 1) -> [N, K] codes
-            codes = torch.stack((plain.codes & 15, plain.codes >> 4), dim=-1).permute(0, 2, 1, 3).reshape(n, k)
-            halves = codes.view(n, k // BLOCK, 2, BLOCK // 2)
-            rows = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+            if self.kind == "q4_1":
+                # [groups, K / 2, 16 rows] bytes of inputs (2j, 2j + 1) -> [N, K] codes -> GGUF's blocks
+                k = lines * 2
+                codes = torch.stack((plain.codes & 15, plain.codes >> 4), dim=-1).permute(0, 2, 1, 3).reshape(n, k)
+                halves = codes.view(n, k // BLOCK, 2, BLOCK // 2)
+                rows = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+            else:
+                k = lines   # [groups, K, 16 rows]
+                rows = plain.codes.permute(0, 2, 1).reshape(n, k)
 
             def by_row(t: torch.Tensor) -> torch.Tensor:   # [groups, K / 32, 16] -> [N, K / 32]
                 return t.permute(0, 2, 1).reshape(n, k // BLOCK).float()
-            scale_min = torch.stack((by_row(plain.scales), by_row(plain.mins)), dim=-1).contiguous()
-        return rows, scale_min
+            parts = [plain.scales] + ([plain.mins] if self.kind == "q4_1" else [])
+            scale_min = torch.stack([by_row(t) for t in parts], dim=-1)
+        return rows.contiguous(), scale_min.contiguous()
 
     @staticmethod
     def cat(parts: list[Codes | None]) -> Codes | None:

@@ -20,15 +20,16 @@
 // aligned one, half of the 32-byte loads of x straddled two cache lines. K must be a multiple of 64
 // (the tails torch adds after the blocks are not followed; ops/linear.py routes other shapes to torch).
 //
-// bf16_dots_codes_linear takes the same sums for a few rows from a weight held as GGUF Q4_1 codes, where
-// the bfloat16 weight is those codes expanded in float32 (scale * code + min) and rounded to bfloat16:
-// a few rows are bound by reading the weights, and the codes are 20 bytes a block of 32 inputs against
-// 64. Its layout is GGUF's own, row by row (ops/quantized.py, Codes.row_blocks): for output n and block
-// b of 32 inputs, 16 bytes at codes[n, 16 b], byte j holding the code of input 32 b + j in its low
-// nibble and of input 32 b + 16 + j in its high one, and the block's scale and minimum at
-// scale_min[n, b] (float32, each a float16 value). Each weight is expanded and rounded in registers and
-// multiplied at once, in the vector position the sums above give it: the same bits as bf16_dots_linear
-// on the bfloat16 weight, which ops/linear.py checks at load (bf16_dots_codes_expand) before routing.
+// bf16_dots_codes_linear takes the same sums for a few rows from a weight held as GGUF codes, where the
+// bfloat16 weight is those codes expanded in float32 (Q4_1: scale * code + min; Q8_0: scale * code) and
+// rounded to bfloat16: a few rows are bound by reading the weights, and the codes are 20 (Q4_1) or 36
+// (Q8_0) bytes a block of 32 inputs against 64. Their layout is GGUF's own, row by row (ops/quantized.py,
+// Codes.row_blocks): Q4_1's block b of row n is 16 bytes at codes[n, 16 b], byte j holding the code of
+// input 32 b + j in its low nibble and of input 32 b + 16 + j in its high one; Q8_0's codes are
+// codes[n, k]; each block's scale (and minimum) is at scale_min[n, b] (float32, each a float16 value).
+// Each weight is expanded and rounded in registers and multiplied at once, in the vector position the
+// sums above give it: the same bits as bf16_dots_linear on the bfloat16 weight, which ops/linear.py checks
+// at load (bf16_dots_codes_expand) before routing.
 #include "aten.h"
 
 #include <algorithm>
@@ -128,27 +129,46 @@ inline __m256 bf16_grid8(__m256 w) {
   return _mm256_fnmadd_ps(c, scale, _mm256_fmadd_ps(c, scale, w));
 }
 
-// the bfloat16 weights of eight codes (32-bit lanes) of a block with scale d and minimum m
-inline __m256 code_weights8(__m256i codes, __m256 d, __m256 m) {
-  return bf16_grid8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), d, m));
-}
+// The two formats, as the tile takes them: the 64 inputs of a sum's block are four units of 16 codes, one
+// unit two of the eight-lane vector positions v, `first` and `second` (the sums above: positions v of
+// every block add into running sum v). `row` points at output n's codes and `sm` at its first block's
+// scale (and minimum); `weights` gives unit u's two vectors of the 64-block at input k, rounded.
+struct Q4_1 {
+  static constexpr int64_t kRowBytes2 = 1, kScaleFloats = 2;   // K / 2 bytes a row; scale and minimum
+  // unit u: block u / 2 of 32, bytes 8 (u % 2) ..: the low nibbles (v), then the high ones (v + 2)
+  static constexpr int first(int u) { return 4 * (u / 2) + u % 2; }
+  static constexpr int second(int u) { return first(u) + 2; }
+  static void weights(const uint8_t* row, const float* sm, int64_t k, int u, __m256& a, __m256& b) {
+    const int64_t block = k / 32 + u / 2;
+    const __m256 d = _mm256_broadcast_ss(sm + 2 * block), m = _mm256_broadcast_ss(sm + 2 * block + 1);
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16 * block + 8 * (u % 2))));
+    a = bf16_grid8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(15))), d, m));
+    b = bf16_grid8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), d, m));
+  }
+};
+struct Q8_0 {
+  static constexpr int64_t kRowBytes2 = 2, kScaleFloats = 1;   // K bytes a row (signed); the scale
+  // unit u: inputs 16 u .. 16 u + 15 of the block, positions 2 u and 2 u + 1
+  static constexpr int first(int u) { return 2 * u; }
+  static constexpr int second(int u) { return 2 * u + 1; }
+  static void weights(const uint8_t* row, const float* sm, int64_t k, int u, __m256& a, __m256& b) {
+    const __m256 d = _mm256_broadcast_ss(sm + k / 32 + u / 2);
+    const auto* p = reinterpret_cast<const __m128i*>(row + k + 16 * u);
+    a = bf16_grid8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p))), d));
+    b = bf16_grid8(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(row + k + 16 * u + 8)))), d));
+  }
+};
 
-// A block's eight codes at p as 32-bit lanes (both nibbles of each byte)
-inline __m256i code_bytes8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-// rows [m0, m0 + R) x output n from its Q4_1 codes. The 64 inputs of a sum's block are four units of
-// 16 codes (the low and high nibbles of 8 bytes: unit u is block u / 2 of 32, bytes 8 (u % 2) ..), one
-// unit two vector positions (v = 4 (u / 2) + u % 2 from the low nibbles, v + 2 from the high). A pass
-// over the row takes U units of every block with their 2 U R running sums in registers, so more rows
-// take more passes (each code still expanded once); the sums then fold as bf16_dots_linear's.
-template <int R, int U>
+// rows [m0, m0 + R) x output n from its codes. A pass over the row takes U units of every 64-block with
+// their 2 U R running sums in registers, so more rows take more passes (each code still expanded once:
+// with all eight sums of four rows in flight, sixteen registers would not hold them); the sums then fold
+// as bf16_dots_linear's.
+template <typename Kind, int R, int U>
 void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, bf16* y, int64_t m0, int64_t n,
                 int64_t K, int64_t N) {
-  const uint8_t* row = codes + n * (K / 2);
-  const float* sm = scale_min + n * (K / 16);
-  const __m256i low = _mm256_set1_epi32(15);
+  const uint8_t* row = codes + n * (K * Kind::kRowBytes2 / 2);
+  const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
   __m256 sums[R][kSums];
   for (int u0 = 0; u0 < 4; u0 += U) {
     __m256 acc[R][2 * U];
@@ -159,39 +179,72 @@ void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, b
     for (int64_t k = 0; k < K; k += kBlock) {
 #pragma GCC unroll 4
       for (int j = 0; j < U; ++j) {
-        const int64_t u = u0 + j, block = k / 32 + u / 2, v = 4 * (u / 2) + u % 2;
-        const __m256 d = _mm256_broadcast_ss(sm + 2 * block), m = _mm256_broadcast_ss(sm + 2 * block + 1);
-        const __m256i c = code_bytes8(row + 16 * block + 8 * (u % 2));
-        const __m256 lo = code_weights8(_mm256_and_si256(c, low), d, m);
+        const int u = u0 + j;
+        __m256 a, b;
+        Kind::weights(row, sm, k, u, a, b);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          acc[r][2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes * v), lo, acc[r][2 * j]);
-        const __m256 hi = code_weights8(_mm256_srli_epi32(c, 4), d, m);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-          acc[r][2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes * (v + 2)), hi,
-                                              acc[r][2 * j + 1]);
+        for (int r = 0; r < R; ++r) {
+          const float* x = xf + (m0 + r) * K + k;
+          acc[r][2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + kLanes * Kind::first(u)), a, acc[r][2 * j]);
+          acc[r][2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + kLanes * Kind::second(u)), b, acc[r][2 * j + 1]);
+        }
       }
     }
 #pragma GCC unroll 4
-    for (int j = 0; j < U; ++j) {
-      const int u = u0 + j, v = 4 * (u / 2) + u % 2;
+    for (int j = 0; j < U; ++j)
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) sums[r][v] = acc[r][2 * j], sums[r][v + 2] = acc[r][2 * j + 1];
-    }
+      for (int r = 0; r < R; ++r)
+        sums[r][Kind::first(u0 + j)] = acc[r][2 * j], sums[r][Kind::second(u0 + j)] = acc[r][2 * j + 1];
   }
   for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
 }
 
+template <typename Kind>
+void codes_product(const float* xf, const uint8_t* codes, const float* scale_min, bf16* y, int64_t M, int64_t K,
+                   int64_t N) {
+  at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+        switch (std::min(kTileRows, M - m0)) {
+          case 1: codes_tile<Kind, 1, 4>(xf, codes, scale_min, y, m0, n, K, N); break;
+          case 2: codes_tile<Kind, 2, 2>(xf, codes, scale_min, y, m0, n, K, N); break;
+          case 3: codes_tile<Kind, 3, 1>(xf, codes, scale_min, y, m0, n, K, N); break;
+          default: codes_tile<Kind, kTileRows, 1>(xf, codes, scale_min, y, m0, n, K, N); break;
+        }
+  });
+}
+
+// every weight of the codes, rounded to bfloat16, into w [N, K]
+template <typename Kind>
+void codes_expand(const uint8_t* codes, const float* scale_min, bf16* w, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = codes + n * (K * Kind::kRowBytes2 / 2);
+      const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
+      for (int64_t k = 0; k < K; k += kBlock)
+        for (int u = 0; u < 4; ++u) {
+          __m256 a, b;
+          Kind::weights(row, sm, k, u, a, b);
+          pagedserve::store8(w + n * K + k + kLanes * Kind::first(u), a);   // (the low halves are zero)
+          pagedserve::store8(w + n * K + k + kLanes * Kind::second(u), b);
+        }
+    }
+  });
+}
+
 #endif
 
-// checks bf16_dots_codes_linear's weight: codes uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]
-void check_codes(const at::Tensor& codes, const at::Tensor& scale_min, int64_t K, const char* what) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() && K % kBlock == 0 &&
-              codes.size(1) * 2 == K, what, ": codes uint8 [N, K / 2], contiguous, K a multiple of 64");
+// checks bf16_dots_codes_linear's weight, and whether it is Q4_1 (codes uint8 [N, K / 2], scale_min float32
+// [N, K / 32, 2]) or Q8_0 (codes int8 [N, K], scales float32 [N, K / 32, 1])
+bool check_codes(const at::Tensor& codes, const at::Tensor& scale_min, int64_t K, const char* what) {
+  const bool q4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK((q4 || codes.scalar_type() == at::kChar) && codes.dim() == 2 && codes.is_contiguous() &&
+              K % kBlock == 0 && codes.size(1) * (q4 ? 2 : 1) == K,
+              what, ": codes uint8 [N, K / 2] (Q4_1) or int8 [N, K] (Q8_0), contiguous, K a multiple of 64");
   TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.dim() == 3 && scale_min.is_contiguous() &&
-              scale_min.size(0) == codes.size(0) && scale_min.size(1) * 32 == K && scale_min.size(2) == 2,
-              what, ": scale_min float32 [N, K / 32, 2], contiguous");
+              scale_min.size(0) == codes.size(0) && scale_min.size(1) * 32 == K && scale_min.size(2) == (q4 ? 2 : 1),
+              what, ": scale_min float32 [N, K / 32, 2] (Q4_1: scale and minimum) or [N, K / 32, 1] (Q8_0), contiguous");
+  return q4;
 }
 
 }  // namespace
@@ -200,7 +253,7 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "bf16_dots_codes_linear: x [M, K] bfloat16, contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = codes.dim() == 2 ? codes.size(0) : 0;
-  check_codes(codes, scale_min, K, "bf16_dots_codes_linear");
+  const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_linear");
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_AVX2
   if (M == 0 || N == 0) return y;
@@ -208,19 +261,10 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
   float* const xf = widened.data_ptr<float>();
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < M * K; i += kLanes) _mm256_storeu_ps(xf + i, pagedserve::load8(xp + i));
-  const auto* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale_min.data_ptr<float>();
+  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-        switch (std::min(kTileRows, M - m0)) {
-          case 1: codes_tile<1, 4>(xf, cp, sp, yp, m0, n, K, N); break;
-          case 2: codes_tile<2, 2>(xf, cp, sp, yp, m0, n, K, N); break;
-          case 3: codes_tile<3, 1>(xf, cp, sp, yp, m0, n, K, N); break;
-          default: codes_tile<kTileRows, 1>(xf, cp, sp, yp, m0, n, K, N); break;
-        }
-  });
+  if (q4) codes_product<Q4_1>(xf, cp, scale_min.data_ptr<float>(), yp, M, K, N);
+  else codes_product<Q8_0>(xf, cp, scale_min.data_ptr<float>(), yp, M, K, N);
 #else
   TORCH_CHECK(false, "bf16_dots_codes_linear: this build has no AVX2/FMA path");
 #endif
@@ -228,24 +272,15 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
 }
 
 at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min) {
-  const int64_t N = codes.dim() == 2 ? codes.size(0) : 0, K = codes.dim() == 2 ? codes.size(1) * 2 : 0;
-  check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
+  const bool q4_shape = codes.scalar_type() == at::kByte;
+  const int64_t N = codes.dim() == 2 ? codes.size(0) : 0, K = codes.dim() == 2 ? codes.size(1) * (q4_shape ? 2 : 1) : 0;
+  const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
   auto w = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
 #ifdef PAGEDSERVE_AVX2
-  const auto* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale_min.data_ptr<float>();
+  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
   auto* wp = reinterpret_cast<bf16*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t b = n0 * (K / 32); b < n1 * (K / 32); ++b) {   // every block of rows n0 .. n1
-      const __m256 d = _mm256_broadcast_ss(sp + 2 * b), m = _mm256_broadcast_ss(sp + 2 * b + 1);
-      for (int t = 0; t < 2; ++t) {
-        const __m256i c = code_bytes8(cp + 16 * b + 8 * t);
-        // the weights as bfloat16: bf16_grid8 leaves the low halves zero
-        pagedserve::store8(wp + 32 * b + 8 * t, code_weights8(_mm256_and_si256(c, _mm256_set1_epi32(15)), d, m));
-        pagedserve::store8(wp + 32 * b + 16 + 8 * t, code_weights8(_mm256_srli_epi32(c, 4), d, m));
-      }
-    }
-  });
+  if (q4) codes_expand<Q4_1>(cp, scale_min.data_ptr<float>(), wp, K, N);
+  else codes_expand<Q8_0>(cp, scale_min.data_ptr<float>(), wp, K, N);
 #else
   TORCH_CHECK(false, "bf16_dots_codes_expand: this build has no AVX2/FMA path");
 #endif

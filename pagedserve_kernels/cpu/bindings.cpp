@@ -77,8 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());
   m.def("bf16_dots_linear", &bf16_dots_linear, "x [M, K] . W[N, K]^T in bfloat16 in the order of torch's own GEMM (its route where "
         "oneDNN has no bfloat16 for the CPU); K a multiple of 64; needs the AVX2 paths (vectorized)");
-  m.def("bf16_dots_codes_linear", &bf16_dots_codes_linear, "bf16_dots_linear's sums with W held as Q4_1 codes row by row "
-        "(codes uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]: Codes.row_blocks), each weight rounded to bfloat16");
+  m.def("bf16_dots_codes_linear", &bf16_dots_codes_linear, "bf16_dots_linear's sums with W held as GGUF codes row by row "
+        "(Q4_1: codes uint8 [N, K / 2], scale_min float32 [N, K / 32, 2]; Q8_0: int8 [N, K], [N, K / 32, 1]: "
+        "Codes.row_blocks), each weight rounded to bfloat16");
   m.def("bf16_dots_codes_expand", &bf16_dots_codes_expand, "the bfloat16 weights [N, K] that bf16_dots_codes_linear multiplies");
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI or AVX2)");
   m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import linear, quantized
-from tests.helpers import q4_1_form
+from tests.helpers import q4_1_form, q8_0_form
 
 
 def _in_torchs_order(x: torch.Tensor, w: torch.Tensor, lanes_in_turn: bool = False) -> torch.Tensor:
@@ -103,31 +103,43 @@ def test_bad_inputs_are_refused(kernel):
     assert kernel.bf16_dots_linear(torch.zeros(0, 128, dtype=torch.bfloat16), w).shape == (0, 8)
 
 
-def _q4_1_bf16(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, quantized.Codes]:
-    """A bfloat16 weight [n, k] that is GGUF Q4_1 codes expanded and rounded, with its codes; its blocks
-    span magnitudes (so that many weights round), and some rows land on bfloat16's ties: scale 2^-8 and
-    minimum 1 make codes 1, 3, 5 .. halfway between two bfloat16 values."""
+def _coded_bf16(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, quantized.Codes]:
+    """A bfloat16 weight [n, k] that is GGUF codes (`kind`) expanded and rounded, with its codes; its blocks
+    span magnitudes (so that many weights round), and a row or two land on bfloat16's ties (a float32 value
+    whose 16 bits that rounding drops are 0x8000): Q4_1 with scale 2^-8 and minimum 1, where the odd codes
+    give 1 + c 2^-8; Q8_0 with scale 1 + 2^-8, where codes +-2^j give 2^j + 2^(j - 8)."""
     wide = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-8, 4, (n, k // 32, 1), generator=gen)
                                                         .float()).repeat_interleave(32, 1).view(n, k)
-    wide = q4_1_form(wide)
-    ties = torch.arange(16).float().repeat(k // 16) * 2.0 ** -8 + 1.0   # codes 0..15 over every block
-    wide[1] = ties
-    wide[2] = -ties.flip(0)
-    codes = quantized.find_codes(wide)
-    assert codes is not None and codes.kind == "q4_1"
+    if kind == "q4_1":
+        wide = q4_1_form(wide)
+        ties = torch.arange(16).float().repeat(k // 16) * 2.0 ** -8 + 1.0   # codes 0..15 over every block
+        wide[1] = ties
+        wide[2] = -ties.flip(0)
+    else:
+        wide = q8_0_form(wide)
+        codes = torch.tensor([1, 2, 4, 8, 16, 32, 64, 3, -1, -2, -4, -8, -16, -32, -64, -5.0]).repeat(k // 16)
+        codes[::32] = 127   # every block's largest magnitude: its scale is found from it
+        wide[1] = codes * (1 + 2.0 ** -8)
+    assert ((wide[1:3].view(torch.int32) & 0xFFFF) == 0x8000).sum() >= 4
+    found = quantized.find_codes(wide)
+    assert found is not None and found.kind == kind
     narrow = wide.to(torch.bfloat16)
     assert not torch.equal(narrow.float(), wide)   # the rounding is not a no-op on these weights
-    return narrow, codes
+    return narrow, found
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48), (128, 16)])   # (K, N)
-def test_q4_1_codes_give_the_weights_sums(kernel, shape):
+def test_codes_give_the_weights_sums(kernel, kind, shape):
     _need_kernel_path(kernel)
     K, N = shape
     gen = torch.Generator().manual_seed(K + N)
-    w, codes = _q4_1_bf16(N, K, gen)
+    w, codes = _coded_bf16(kind, N, K, gen)
     rows, scale_min = codes.row_blocks()
-    assert rows.shape == (N, K // 2) and rows.dtype == torch.uint8 and scale_min.shape == (N, K // 32, 2)
+    if kind == "q4_1":
+        assert rows.shape == (N, K // 2) and rows.dtype == torch.uint8 and scale_min.shape == (N, K // 32, 2)
+    else:
+        assert rows.shape == (N, K) and rows.dtype == torch.int8 and scale_min.shape == (N, K // 32, 1)
     # the kernel's expansion and rounding give the bfloat16 weight bit for bit, ties to even included
     assert torch.equal(kernel.bf16_dots_codes_expand(rows, scale_min).view(torch.int16), w.view(torch.int16))
     for m in (1, 2, 3, 4, 5, 9):
@@ -137,8 +149,8 @@ def test_q4_1_codes_give_the_weights_sums(kernel, shape):
         assert torch.equal(got, _in_torchs_order(x, w)), m
 
 
-def test_the_layers_read_q4_1_codes_for_few_rows_where_they_sum_in_torchs_order(kernel):
-    w, codes = _q4_1_bf16(576, 1536, torch.Generator().manual_seed(4))
+def test_the_layers_read_codes_for_few_rows_where_they_sum_in_torchs_order(kernel):
+    w, codes = _coded_bf16("q4_1", 576, 1536, torch.Generator().manual_seed(4))
     routed = linear.RoutedLinear(w, None, kernel, packed=True, codes=codes)
     if not linear.bf16_dots_kernel(kernel):
         assert routed.dots_codes is None
@@ -160,13 +172,18 @@ def test_bad_codes_are_refused(kernel):
     x = torch.zeros(2, 128, dtype=torch.bfloat16)
     codes, scale_min = torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 4, 2)
     assert kernel.bf16_dots_codes_linear(x, codes, scale_min).shape == (2, 8)
-    with pytest.raises(RuntimeError, match="codes uint8 \\[N, K / 2\\]"):
+    assert kernel.bf16_dots_codes_linear(x, torch.zeros(8, 128, dtype=torch.int8), torch.zeros(8, 4, 1)).shape == (2, 8)
+    with pytest.raises(RuntimeError, match="codes uint8 \\[N, K / 2\\] \\(Q4_1\\) or int8 \\[N, K\\]"):
         kernel.bf16_dots_codes_linear(torch.zeros(2, 96, dtype=torch.bfloat16), codes, scale_min)
     with pytest.raises(RuntimeError, match="codes uint8"):
-        kernel.bf16_dots_codes_linear(x, codes.view(torch.int8), scale_min)
+        kernel.bf16_dots_codes_linear(x, codes.view(torch.int8), scale_min)   # int8: K codes a row
+    with pytest.raises(RuntimeError, match="codes uint8"):
+        kernel.bf16_dots_codes_linear(x, codes.float(), scale_min)
     with pytest.raises(RuntimeError, match="scale_min float32"):
         kernel.bf16_dots_codes_linear(x, codes, scale_min.half())
     with pytest.raises(RuntimeError, match="scale_min float32"):
         kernel.bf16_dots_codes_linear(x, codes, torch.zeros(8, 2, 2))
+    with pytest.raises(RuntimeError, match="scale_min float32"):
+        kernel.bf16_dots_codes_linear(x, torch.zeros(8, 128, dtype=torch.int8), scale_min)   # Q8_0 has no minimum
     with pytest.raises(RuntimeError, match="x \\[M, K\\] bfloat16"):
         kernel.bf16_dots_codes_linear(x.float(), codes, scale_min)

@@ -221,9 +221,9 @@ def test_bfloat16_gguf_model_is_narrowed_by_the_runner_and_reads_its_codes():
     dots = linear_ops.bf16_dots_kernel(cpu_kernels.load())
     if dots:
         # AVX2 alone: every product in the order of torch's own GEMM, F.linear's there; the layers' Q4_1
-        # codes read in that order for few rows (the output layer's Q8_0 codes are not)
+        # codes and the output layer's Q8_0 ones read in that order for few rows
         assert all(lin.dots and lin.codes is None and lin.dots_codes is not None for lin in coded.lean.linears())
-        assert head.dots and head.dots_codes is None
+        assert head.dots and head.dots_codes is not None and head.dots_codes[0].dtype == torch.int8
     else:
         assert all(lin.codes is not None for lin in coded.lean.linears())
         assert head.codes.kind == "q8_0"
