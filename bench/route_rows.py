@@ -2,10 +2,14 @@
 given row count, through the kernel reading the GGUF codes, the AVX512-BF16 kernel (where the build
 has it) and oneDNN's packed GEMM. Where the runner keeps its few-row codes in the dot product's pair
 order, a column shows the same products from the plain order (the codes' route before it). With
---dtype float32: the codes, the few-row kernel and MKL's packed GEMM over the float32 weights.
+--dtype float32: the codes, the few-row kernel and MKL's packed GEMM over the float32 weights. On a
+CPU with AVX2 alone, where every bfloat16 row count sums in the order of torch's own GEMM: that order
+from the codes and from the bfloat16 weights (ops/linear.DOTS_CODES_MAX_ROWS is set from this).
+--output-layer: the output layer alone instead of the 120 products.
 
     python bench/route_rows.py                  # rows 1, 2, 4, 8, 12, 16, 24, 32, 64, 512
     python bench/route_rows.py --dtype float32
+    python bench/route_rows.py --rows 1,2,3,4,5,6,8 --output-layer
 
 The model is loaded in float32 and narrowed by the data plane's runner, as `--dtype bfloat16` serves
 it, so every route multiplies the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS is set from
@@ -29,17 +33,27 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,4,8,12,16,24,32,64,512")
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--output-layer", action="store_true", help="time the output layer, not the 120 products")
     args = ap.parse_args(argv)
     import torch
 
     print(C.machine_line(args.num_threads))
     runner = C.default_runner(args.num_threads, "inproc://routes", args.dtype, kv_cache_blocks=16)
     from ops import linear
-    layers = runner.lean.linears()
+    layers = [runner.model.get_output_embeddings().forward] if args.output_layer else runner.lean.linears()
+    kernel = layers[0].kernel
+    if args.dtype == "bfloat16" and layers[0].dots:
+        if any(lin.dots_codes is None for lin in layers):
+            print("not run: some layer lacks its codes (they do not give its bfloat16 weight back)")
+            return 1
+        routes = {"codes": lambda i, x: kernel.bf16_dots_codes_linear(x, *layers[i].dots_codes),
+                  "bf16 weights": lambda i, x: kernel.bf16_dots_linear(x, layers[i].weight)}
+        print(f"every row count in the order of torch's own GEMM; the runner reads the codes up to "
+              f"{linear.DOTS_CODES_MAX_ROWS} rows")
+        return _table(routes, layers, args.rows, torch.bfloat16)
     if any(lin.codes is None for lin in layers):
         print("not run: some layer lacks its codes (on this CPU its route does not read them)")
         return 1
-    kernel = layers[0].kernel
     dtype = getattr(torch, args.dtype)
     if args.dtype == "float32":
         packed = [linear._pack(lin.weight) for lin in layers] if linear.has_packed_gemm() else None
