@@ -122,7 +122,8 @@ void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
 // and exponent bits), t = w + 2^16 c rounds w on bfloat16's grid at w (float32's grid at 2^(e + 16) is
 // 2^(e - 7)), and t - 2^16 c is exact; each an FMA, so 2^16 c is never rounded. One mask and two FMAs:
 // five integer operations (the usual rounding) or two float additions cost more on this loop. Exact for
-// normal w and +0; -0 and subnormal values come out otherwise (the load check turns such codes down).
+// normal w under 2^112 and +0; -0 and subnormal values come out otherwise (the load check turns such
+// codes down).
 inline __m256 bf16_grid8(__m256 w) {
   const __m256 c = _mm256_and_ps(w, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFF800000u))));
   const __m256 scale = _mm256_set1_ps(65536.0f);
@@ -134,7 +135,8 @@ inline __m256 bf16_grid8(__m256 w) {
 // every block add into running sum v). `row` points at output n's codes and `sm` at its first block's
 // scale (and minimum); `weights` gives unit u's two vectors of the 64-block at input k, rounded.
 struct Q4_1 {
-  static constexpr int64_t kRowBytes2 = 1, kScaleFloats = 2;   // K / 2 bytes a row; scale and minimum
+  static constexpr int64_t kScaleFloats = 2;   // scale and minimum
+  static constexpr int64_t row_bytes(int64_t K) { return K / 2; }
   // unit u: block u / 2 of 32, bytes 8 (u % 2) ..: the low nibbles (v), then the high ones (v + 2)
   static constexpr int first(int u) { return 4 * (u / 2) + u % 2; }
   static constexpr int second(int u) { return first(u) + 2; }
@@ -147,7 +149,8 @@ struct Q4_1 {
   }
 };
 struct Q8_0 {
-  static constexpr int64_t kRowBytes2 = 2, kScaleFloats = 1;   // K bytes a row (signed); the scale
+  static constexpr int64_t kScaleFloats = 1;   // the scale
+  static constexpr int64_t row_bytes(int64_t K) { return K; }   // (signed)
   // unit u: inputs 16 u .. 16 u + 15 of the block, positions 2 u and 2 u + 1
   static constexpr int first(int u) { return 2 * u; }
   static constexpr int second(int u) { return 2 * u + 1; }
@@ -167,7 +170,7 @@ struct Q8_0 {
 template <typename Kind, int R, int U>
 void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, bf16* y, int64_t m0, int64_t n,
                 int64_t K, int64_t N) {
-  const uint8_t* row = codes + n * (K * Kind::kRowBytes2 / 2);
+  const uint8_t* row = codes + n * Kind::row_bytes(K);
   const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
   __m256 sums[R][kSums];
   for (int u0 = 0; u0 < 4; u0 += U) {
@@ -219,7 +222,7 @@ template <typename Kind>
 void codes_expand(const uint8_t* codes, const float* scale_min, bf16* w, int64_t K, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = codes + n * (K * Kind::kRowBytes2 / 2);
+      const uint8_t* row = codes + n * Kind::row_bytes(K);
       const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
       for (int64_t k = 0; k < K; k += kBlock)
         for (int u = 0; u < 4; ++u) {
@@ -253,7 +256,7 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "bf16_dots_codes_linear: x [M, K] bfloat16, contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = codes.dim() == 2 ? codes.size(0) : 0;
-  const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_linear");
+  [[maybe_unused]] const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_linear");
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_AVX2
   if (M == 0 || N == 0) return y;
@@ -274,7 +277,7 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
 at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min) {
   const bool q4_shape = codes.scalar_type() == at::kByte;
   const int64_t N = codes.dim() == 2 ? codes.size(0) : 0, K = codes.dim() == 2 ? codes.size(1) * (q4_shape ? 2 : 1) : 0;
-  const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
+  [[maybe_unused]] const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
   auto w = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
 #ifdef PAGEDSERVE_AVX2
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
