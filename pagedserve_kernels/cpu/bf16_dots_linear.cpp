@@ -235,7 +235,30 @@ void codes_expand(const uint8_t* codes, const float* scale_min, bf16* w, int64_t
   });
 }
 
+// x [M, K] as float32 (exact): in widen16's lane order (one_row's), or in input order (the tiles')
+at::Tensor widen_x(const at::Tensor& x, bool lane_order) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor widened = at::empty({M, K}, x.options().dtype(at::kFloat));
+  float* const xf = widened.data_ptr<float>();
+  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * K; i < r1 * K; i += 2 * kLanes) {
+      __m256 a, b;
+      if (lane_order) widen16(xp + i, a, b);
+      else a = pagedserve::load8(xp + i), b = pagedserve::load8(xp + i + kLanes);
+      _mm256_storeu_ps(xf + i, a);
+      _mm256_storeu_ps(xf + i + kLanes, b);
+    }
+  });
+  return widened;
+}
+
 #endif
+
+void check_x(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), what,
+              ": x [M, K] bfloat16, contiguous");
+}
 
 // checks bf16_dots_codes_linear's weight, and whether it is Q4_1 (codes uint8 [N, K / 2], scale_min float32
 // [N, K / 32, 2]) or Q8_0 (codes int8 [N, K], scales float32 [N, K / 32, 1])
@@ -253,17 +276,14 @@ bool check_codes(const at::Tensor& codes, const at::Tensor& scale_min, int64_t K
 }  // namespace
 
 at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "bf16_dots_codes_linear: x [M, K] bfloat16, contiguous");
+  check_x(x, "bf16_dots_codes_linear");
   const int64_t M = x.size(0), K = x.size(1), N = codes.dim() == 2 ? codes.size(0) : 0;
   [[maybe_unused]] const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_linear");
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_AVX2
   if (M == 0 || N == 0) return y;
-  const at::Tensor widened = at::empty({M, K}, x.options().dtype(at::kFloat));
-  float* const xf = widened.data_ptr<float>();
-  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < M * K; i += kLanes) _mm256_storeu_ps(xf + i, pagedserve::load8(xp + i));
+  const at::Tensor widened = widen_x(x, false);
+  const float* xf = widened.data_ptr<float>();
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   if (q4) codes_product<Q4_1>(xf, cp, scale_min.data_ptr<float>(), yp, M, K, N);
@@ -291,28 +311,16 @@ at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min) {
 }
 
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "bf16_dots_linear: x [M, K] bfloat16, contiguous");
+  check_x(x, "bf16_dots_linear");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "bf16_dots_linear: W [N, K] bfloat16, contiguous, K matching x");
   TORCH_CHECK(x.size(1) % kBlock == 0, "bf16_dots_linear: K must be a multiple of 64");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  [[maybe_unused]] const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_AVX2
   if (M == 0 || N == 0) return y;
-  // x as float32: in widen16's lane order for one row, in input order for the tiles
-  const at::Tensor widened = at::empty({M, K}, x.options().dtype(at::kFloat));
-  float* const xf = widened.data_ptr<float>();
-  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * K; i < r1 * K; i += 2 * kLanes) {
-      __m256 a, b;
-      if (M == 1) widen16(xp + i, a, b);
-      else a = pagedserve::load8(xp + i), b = pagedserve::load8(xp + i + kLanes);
-      _mm256_storeu_ps(xf + i, a);
-      _mm256_storeu_ps(xf + i + kLanes, b);
-    }
-  });
+  const at::Tensor widened = widen_x(x, M == 1);
+  const float* xf = widened.data_ptr<float>();
   const auto* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   if (M == 1) {
