@@ -119,8 +119,15 @@ class RoutedLinear:
         self.weight, self.bias = weight, bias
         self.kernel = kernel if bias is None else None   # the kernels add no bias
         wide = weight.dtype == torch.float32
-        if self.kernel is None or not codes or not self.kernel.has_coded_simd():
-            # (no vectorized codes kernel for this CPU: the float32 GEMM over the expanded weights is faster)
+        # where torch's own GEMM is F.linear's bfloat16 route, every row count takes the kernel that sums in
+        # its order: its outputs are F.linear's, and the codes' or oneDNN's would not be; a few rows read
+        # the weight's codes in that order, if the kernel's own expansion gives the weight back
+        self.dots = self.kernel is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 64 == 0 \
+            and bf16_dots_kernel(self.kernel)
+        self.dots_codes = _dots_codes(self.kernel, codes, weight) if self.dots else None
+        if self.dots or self.kernel is None or not codes or not self.kernel.has_coded_simd():
+            # (torch's order reads them as dots_codes; or no vectorized codes kernel for this CPU: the float32
+            # GEMM over the expanded weights is faster)
             self.codes = None
         elif wide:
             self.codes = quantized.find_codes(weight)
@@ -132,15 +139,7 @@ class RoutedLinear:
         many_rows = packed and (self.codes is None or not wide)
         self.dot = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.kernel is not None \
             and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
-        # where torch's own GEMM is F.linear's bfloat16 route, every row count takes the kernel that sums in
-        # its order: its outputs are F.linear's, and the codes' or oneDNN's would not be
-        self.dots = self.kernel is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 64 == 0 \
-            and bf16_dots_kernel(self.kernel)
         self.packed = _pack(weight) if many_rows and self.dot is None and not self.dots else None
-        self.dots_codes = None
-        if self.dots:
-            self.dots_codes = _dots_codes(self.kernel, self.codes, weight)
-            self.codes = None
         # bfloat16 codes that only serve a few rows, where the build has the dot product: in its pair order
         if self.codes is not None and not wide and (self.dot is not None or self.packed is not None) \
                 and self.kernel.has_bf16_dot():
@@ -201,10 +200,11 @@ class RoutedLinear:
         return lambda x, one_row=None: F.linear(x, weight, bias)
 
 
-def _dots_codes(kernel, codes: quantized.Codes | None, weight: torch.Tensor):
-    """A bfloat16 weight's GGUF codes laid out row by row for `bf16_dots_codes_linear` (codes, scale_min),
-    if the kernel's own expansion and rounding give the weight back bit for bit; else None."""
-    if codes is None or not hasattr(kernel, "bf16_dots_codes_linear"):
+def _dots_codes(kernel, codes, weight: torch.Tensor):
+    """A bfloat16 weight's GGUF codes (`codes`, when they are quantized.Codes) laid out row by row for
+    `bf16_dots_codes_linear` (codes, scale_min), if the kernel's own expansion and rounding give the
+    weight back bit for bit; else None."""
+    if not isinstance(codes, quantized.Codes):
         return None
     row_codes, scale_min = codes.row_blocks()
     same = torch.equal(kernel.bf16_dots_codes_expand(row_codes, scale_min).view(torch.int16),

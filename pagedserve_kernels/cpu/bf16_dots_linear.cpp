@@ -295,9 +295,9 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
 }
 
 at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min) {
-  const bool q4_shape = codes.scalar_type() == at::kByte;
-  const int64_t N = codes.dim() == 2 ? codes.size(0) : 0, K = codes.dim() == 2 ? codes.size(1) * (q4_shape ? 2 : 1) : 0;
-  [[maybe_unused]] const bool q4 = check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
+  const bool q4 = codes.scalar_type() == at::kByte;   // (else int8 Q8_0, or refused below)
+  const int64_t N = codes.dim() == 2 ? codes.size(0) : 0, K = codes.dim() == 2 ? codes.size(1) * (q4 ? 2 : 1) : 0;
+  check_codes(codes, scale_min, K, "bf16_dots_codes_expand");
   auto w = at::empty({N, K}, codes.options().dtype(at::kBFloat16));
 #ifdef PAGEDSERVE_AVX2
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());

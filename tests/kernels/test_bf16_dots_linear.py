@@ -161,8 +161,7 @@ def test_the_layers_read_codes_for_few_rows_where_they_sum_in_torchs_order(kerne
         for rows in range(1, linear.DOTS_CODES_MAX_ROWS + 2):
             x = _cancelling(rows, 1536, gen)
             assert torch.equal(routed(x), F.linear(x, w)), rows
-    # codes that do not give this weight back are not read: turned down before (Codes.rounds_to), and by
-    # the kernel's own expansion
+    # codes that do not give this weight back are not read: the kernel's own expansion turns them down
     wrong = (w.float() * 1.01).to(torch.bfloat16)
     other = linear.RoutedLinear(wrong, None, kernel, packed=True, codes=codes)
     assert other.dots and other.dots_codes is None
