@@ -21,6 +21,8 @@ the others keep transformers' forward with the paged attention registered as its
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ops import cpu_kernels
@@ -86,6 +88,12 @@ class _Layer:
         self.o = route([attn.o_proj])
         self.gate_up = route([mlp.gate_proj, mlp.up_proj])
         self.down = route([mlp.down_proj])
+
+
+def _same_route(route, other) -> bool:
+    """Whether two RoutedLinear.codes_route answers name the same kernel on the same tensors."""
+    return route is not None and route[0] == other[0] and len(route[1]) == len(other[1]) \
+        and all(a is b for a, b in zip(route[1], other[1]))
 
 
 def _plain_silu(model) -> bool:
@@ -167,24 +175,34 @@ class LlamaForward:
 
     def _coded_layers(self):
         """The kernel's CodedLayers (pagedserve_kernels/cpu/coded_layers.cpp), which runs every layer in one
-        call with the kernels this loop calls one by one, where every product of a float32 model is codes
-        (the route of every row count) and the norms, rotary and attention are the kernel's; else None."""
+        call with the kernels this loop calls one by one, where every product reads GGUF codes (a float32
+        model's at every row count, a bfloat16 model's up to a few rows) and the norms, rotary and attention
+        are the kernel's; else None. Sets coded_rows, the most rows it takes (0: none)."""
+        self.coded_rows = 0
         if not self.fused_attention or not hasattr(self.kernel, "CodedLayers"):
-            return None
-        if any(lin.weight.dtype != torch.float32 or lin.codes is None or lin.kernel is None for lin in self.linears()):
             return None
         shape = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in self.layers}
         if len(shape) != 1:
             return None
+        # every product's codes route of one row; the loop serves the row counts whose routes are those
+        routes = [lin.codes_route(1) for lin in self.linears()]
+        if any(route is None for route in routes):
+            return None
+        rows = 1
+        while rows < self._route_cap and all(_same_route(lin.codes_route(rows + 1), route)
+                                             for lin, route in zip(self.linears(), routes)):
+            rows += 1
+        # (the routes of every count from the cap on are the cap's)
+        self.coded_rows = sys.maxsize if rows == self._route_cap else rows
         none = torch.empty(0)
-        tensors = []
+        tensors, kinds = [], []
         for index, layer in enumerate(self.layers):
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                codes = lin.codes
-                tensors += [codes.codes, codes.scales, codes.mins if codes.mins is not None else none]
+            for kind, parts in routes[4 * index:4 * index + 4]:
+                tensors += [part if part is not None else none for part in parts] + [none] * (3 - len(parts))
+                kinds.append(kind)
             tensors += [self.post_norms[index][0], self.norms[index + 1][0]]
-        return self.kernel.CodedLayers(tensors, [eps for _, eps in self.post_norms], [eps for _, eps in self.norms[1:]],
-                                       *shape.pop())
+        return self.kernel.CodedLayers(tensors, kinds, [eps for _, eps in self.post_norms],
+                                       [eps for _, eps in self.norms[1:]], *shape.pop())
 
     def linears(self) -> list[linear_ops.RoutedLinear]:
         """Every layer's routed products (the output layer is not among them)."""
@@ -201,9 +219,10 @@ class LlamaForward:
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
         x = ops.add_rms_norm(residual, None, *self.norms[0])
-        if fused and self.coded_layers is not None:
+        if fused and self.coded_layers is not None and tokens <= self.coded_rows:
             return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
-                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None)
+                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None,
+                                             one_row if x.dtype == torch.bfloat16 else None)
         routes = self._routes(tokens)
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]

@@ -59,6 +59,8 @@ BF16_CODES_MAX_ROWS = 4
 # through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
 # expansion of every code costs more than reading the weight saves (docs/performance.md)
 DOTS_CODES_MAX_ROWS = 5
+# the kernels that read codes, numbered as CodedLayers (pagedserve_kernels/cpu/coded_layers.h) takes them
+CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 # oneDNN generates its GEMM's code the first time it meets a row count (its cache then keeps it): a few
 # milliseconds a weight shape, which a decode step pays once for each new batch size. warm_up has that done
@@ -173,16 +175,17 @@ class RoutedLinear:
         (bool [rows]): the rows that transformers computes in a call of one row, a generated token's;
         oneDNN's bfloat16 GEMM sums those in other chunks (pagedserve_kernels/cpu/simd.h), which the
         AVX512-BF16 kernels follow. The other routes take every row as they take a call's."""
-        weight, bias, kernel, codes = self.weight, self.bias, self.kernel, self.codes
+        weight, bias, kernel = self.weight, self.bias, self.kernel
+        reads_codes = self.codes_route(rows)
+        if reads_codes is not None:
+            kind, tensors = reads_codes
+            product = getattr(kernel, CODES_KERNELS[kind])
+            if kind == CODES_KERNELS.index("bf16_dots_codes_linear") or weight.dtype != torch.bfloat16:
+                return lambda x, one_row=None: product(x, *tensors)
+            return lambda x, one_row=None: product(x, *tensors, one_row)
         if weight.dtype == torch.bfloat16:
             if self.dots:
-                if self.dots_codes is not None and rows <= DOTS_CODES_MAX_ROWS:
-                    row_codes, scale_min = self.dots_codes
-                    return lambda x, one_row=None: kernel.bf16_dots_codes_linear(x, row_codes, scale_min)
                 return lambda x, one_row=None: kernel.bf16_dots_linear(x, weight)
-            if codes is not None and (rows <= BF16_CODES_MAX_ROWS or (self.packed is None and self.dot is None)):
-                few = codes.product(kernel)
-                return lambda x, one_row=None: few(x, codes.codes, codes.scales, codes.mins, one_row)
             if self.dot is not None:
                 dot = self.dot
                 return lambda x, one_row=None: kernel.bf16_linear(x, dot, one_row)
@@ -190,14 +193,28 @@ class RoutedLinear:
                 packed = self.packed
                 return lambda x, one_row=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
             return lambda x, one_row=None: F.linear(x, weight, bias)
-        if codes is not None:
-            return lambda x, one_row=None: kernel.coded_linear(x, codes.codes, codes.scales, codes.mins)
         if kernel is not None and rows <= self.skinny_max_rows:
             return lambda x, one_row=None: kernel.skinny_linear(x, weight)
         if self.packed is not None:
             packed = self.packed
             return lambda x, one_row=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
         return lambda x, one_row=None: F.linear(x, weight, bias)
+
+    def codes_route(self, rows: int) -> tuple[int, tuple] | None:
+        """Where a call of `rows` rows reads the weight's codes: (the kernel's index in CODES_KERNELS, the
+        tensors it takes after x); else None. The layers in one call (llama_forward.py) take the same."""
+        codes = self.codes
+        if self.weight.dtype == torch.bfloat16:
+            if self.dots:
+                if self.dots_codes is not None and rows <= DOTS_CODES_MAX_ROWS:
+                    return CODES_KERNELS.index("bf16_dots_codes_linear"), self.dots_codes
+                return None
+            if codes is None or (rows > BF16_CODES_MAX_ROWS and (self.packed is not None or self.dot is not None)):
+                return None
+        elif codes is None:
+            return None
+        name = "coded_pairs_linear" if codes.paired else "coded_linear"
+        return CODES_KERNELS.index(name), (codes.codes, codes.scales, codes.mins)
 
 
 def _dots_codes(kernel, codes, weight: torch.Tensor):

@@ -85,8 +85,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
   // module_local: two builds of these kernels can then be loaded in one process (bench/kernels_ab.py)
-  pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a float32 model's decoder layers whose every product is GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())
+  pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a model's decoder layers whose every product reads GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())
       .def("set_caches", &CodedLayers::set_caches, "per layer its K and V cache")
       .def("forward", &CodedLayers::forward, "the layers over residual (in place) from its first norm x; returns the last norm",
            pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -1,5 +1,5 @@
-// The decoder layers of a float32 Llama-style model whose every product is held as GGUF codes, in one call
-// per step. data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten
+// The decoder layers of a Llama-style model whose every product reads GGUF codes, in one call per step: a
+// float32 model's at every row count, a bfloat16 model's for the few rows its products read codes. data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten
 // calls a layer; for one stream, those calls' own cost (Python, pybind11, building the arguments) is a
 // visible share of a token's time next to the kernels, and a loop here skips it. Same kernels, same
 // arguments, same order: the same bits.
@@ -9,6 +9,9 @@
 
 at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                         c10::optional<at::Tensor> one_row);
+at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
+                              c10::optional<at::Tensor> one_row);
+at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
 at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
                         at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
@@ -21,8 +24,8 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
 
 namespace {
 
-// the tensors of one layer in the order CodedLayers takes them: four products (codes, scales, minimums;
-// an empty minimums tensor for Q8_0), then the weight of the norm after attention and of the next norm
+// the tensors of one layer in the order CodedLayers takes them: three for each of four products, then the
+// weight of the norm after attention and of the next norm
 constexpr size_t kPerLayer = 14;
 
 c10::optional<at::Tensor> present(const at::Tensor& t) {
@@ -31,17 +34,22 @@ c10::optional<at::Tensor> present(const at::Tensor& t) {
 
 }  // namespace
 
-CodedLayers::CodedLayers(std::vector<at::Tensor> tensors, std::vector<double> post_eps, std::vector<double> next_eps,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling)
+CodedLayers::CodedLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> kinds, std::vector<double> post_eps,
+                         std::vector<double> next_eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         double scaling)
     : post_eps_(std::move(post_eps)), next_eps_(std::move(next_eps)), heads_(heads), kv_heads_(kv_heads),
       head_dim_(head_dim), scaling_(scaling) {
   const size_t layers = post_eps_.size();
-  TORCH_CHECK(tensors.size() == kPerLayer * layers && next_eps_.size() == layers,
-              "CodedLayers: 14 tensors and two epsilons per layer");
+  TORCH_CHECK(tensors.size() == kPerLayer * layers && kinds.size() == 4 * layers && next_eps_.size() == layers,
+              "CodedLayers: 14 tensors, four kinds and two epsilons per layer");
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor* t = tensors.data() + kPerLayer * i;
     Layer layer;
-    for (int p = 0; p < 4; ++p) layer.products[p] = {t[3 * p], t[3 * p + 1], present(t[3 * p + 2])};
+    for (int p = 0; p < 4; ++p) {
+      const int64_t kind = kinds[4 * i + p];
+      TORCH_CHECK(kind == kCoded || kind == kPairs || kind == kDots, "CodedLayers: unknown product kind ", kind);
+      layer.products[p] = {static_cast<Kind>(kind), t[3 * p], t[3 * p + 1], present(t[3 * p + 2])};
+    }
     layer.post_norm = t[12];
     layer.next_norm = t[13];
     layers_.push_back(std::move(layer));
@@ -53,17 +61,26 @@ void CodedLayers::set_caches(std::vector<at::Tensor> caches) {
   caches_ = std::move(caches);
 }
 
+at::Tensor CodedLayers::apply(const Product& w, const at::Tensor& x, const c10::optional<at::Tensor>& one_row) {
+  switch (w.kind) {
+    case kPairs:
+      return coded_pairs_linear(x, w.codes, w.scales, w.mins, one_row);
+    case kDots:
+      return bf16_dots_codes_linear(x, w.codes, w.scales);
+    default:
+      return coded_linear(x, w.codes, w.scales, w.mins, one_row);
+  }
+}
+
 at::Tensor CodedLayers::forward(at::Tensor residual, at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                 at::Tensor tables, at::Tensor lens, at::Tensor tokens,
-                                c10::optional<at::Tensor> ends, int64_t lanes, c10::optional<at::Tensor> qrows) {
+                                c10::optional<at::Tensor> ends, int64_t lanes, c10::optional<at::Tensor> qrows,
+                                c10::optional<at::Tensor> one_row) {
   TORCH_CHECK(caches_.size() == 2 * layers_.size(), "CodedLayers: set_caches first");
   const int64_t rows = x.size(0);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
-    const auto product = [&](int p, const at::Tensor& in) {
-      const Product& w = layer.products[p];
-      return coded_linear(in, w.codes, w.scales, w.mins, c10::nullopt);
-    };
+    const auto product = [&](int p, const at::Tensor& in) { return apply(layer.products[p], in, one_row); };
     const at::Tensor& k_cache = caches_[2 * i];
     const at::Tensor& v_cache = caches_[2 * i + 1];
     at::Tensor q = rotary_store(product(0, x), heads_, kv_heads_, cos, sin, k_cache, v_cache, slots);

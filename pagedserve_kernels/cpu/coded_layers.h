@@ -1,4 +1,4 @@
-// CodedLayers (coded_layers.cpp): a float32 model's decoder layers, every product GGUF codes, in one call.
+// CodedLayers (coded_layers.cpp): a model's decoder layers, every product read from GGUF codes, in one call.
 #pragma once
 
 #include <vector>
@@ -7,21 +7,26 @@
 
 class CodedLayers {
  public:
-  // tensors: per layer, the codes, scales and minimums (empty for Q8_0) of the qkv, o, gate_up and down
-  // products, then the weights of the norm after attention and of the next layer's (or the model's last)
-  // norm; post_eps and next_eps those norms' epsilons; every layer has the same heads and scaling
-  CodedLayers(std::vector<at::Tensor> tensors, std::vector<double> post_eps, std::vector<double> next_eps,
-              int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling);
+  // the kernels that read codes, numbered as ops/linear.CODES_KERNELS names them
+  enum Kind : int64_t { kCoded = 0, kPairs = 1, kDots = 2 };
+
+  // tensors: per layer, three per product of qkv, o, gate_up and down (for kCoded and kPairs the codes, scales
+  // and minimums, empty for Q8_0; for kDots the codes, scale_min and an empty one), then the weights of the
+  // norm after attention and of the next layer's (or the model's last) norm; kinds: per layer the four
+  // products' kernels; post_eps and next_eps those norms' epsilons; every layer has the same heads and scaling
+  CodedLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> kinds, std::vector<double> post_eps,
+              std::vector<double> next_eps, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling);
   // per layer its K and V cache (views of the pool), in that order
   void set_caches(std::vector<at::Tensor> caches);
   // residual [rows, hidden] (updated in place) and x its first norm; the rest as paged_decode and
-  // rotary_store take them. Returns the last norm of the residual.
+  // rotary_store take them, and one_row as the products take it. Returns the last norm of the residual.
   at::Tensor forward(at::Tensor residual, at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                      at::Tensor tables, at::Tensor lens, at::Tensor tokens, c10::optional<at::Tensor> ends,
-                     int64_t lanes, c10::optional<at::Tensor> qrows);
+                     int64_t lanes, c10::optional<at::Tensor> qrows, c10::optional<at::Tensor> one_row);
 
  private:
   struct Product {
+    Kind kind;
     at::Tensor codes, scales;
     c10::optional<at::Tensor> mins;
   };
@@ -29,6 +34,7 @@ class CodedLayers {
     Product products[4];   // qkv, o, gate_up, down
     at::Tensor post_norm, next_norm;
   };
+  static at::Tensor apply(const Product& w, const at::Tensor& x, const c10::optional<at::Tensor>& one_row);
   std::vector<Layer> layers_;
   std::vector<at::Tensor> caches_;
   std::vector<double> post_eps_, next_eps_;

@@ -236,19 +236,44 @@ def test_bfloat16_gguf_model_is_narrowed_by_the_runner_and_reads_its_codes():
         assert lp_a == (lp_b if dots else pytest.approx(lp_b, abs=2e-2))
 
 
-def test_layers_in_one_call_give_the_python_loops_bits():
-    # a float32 model whose every product is codes runs its layers in one call to the kernel module
-    # (CodedLayers): the same kernels in the same order as the Python loop, so every logit the same bits
-    from ops import cpu_kernels
+def _coded_runner(seed: int, dtype: str):
+    """A runner over a model whose every product is GGUF codes: in float32, or handed over in float32 and
+    narrowed by the runner to bfloat16 (as a GGUF served with --dtype bfloat16), so that it keeps the codes."""
+    from data_plane.model_runner import ModelRunner
+    from shared.config import DataPlaneConfig
     from tests.helpers import gguf_form_model
+    model = gguf_form_model(paged_model(seed=seed))
+    if dtype == "float32":
+        return make_runner(model, num_blocks=64, swap_blocks=4)
+    config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=4, kv_cache_blocks=64, swap_blocks=4,
+                             dtype=dtype)
+    return ModelRunner(model, config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 in torch's own order"])
+def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
+    # a model whose every product reads codes runs its layers in one call to the kernel module (CodedLayers):
+    # the same kernels in the same order as the Python loop, so every logit the same bits. float32 at every
+    # row count; bfloat16 up to the rows its products read codes. The third case takes the routes of a CPU
+    # with AVX2 alone (bf16_dots_codes_linear) on any CPU, as if oneDNN had no bfloat16 GEMM for it
+    from ops import cpu_kernels
     kernel = cpu_kernels.load()
     if kernel is None:
         pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
+    if dtype.startswith("bfloat16 "):
+        monkeypatch.setattr(linear_ops, "has_packed_bf16_gemm", lambda: False)
+        assert linear_ops.bf16_dots_kernel(kernel) == kernel.vectorized()
+        dtype = "bfloat16"
     prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8], [41, 2, 60, 7]]
-    one_call = make_runner(gguf_form_model(paged_model(seed=6)), num_blocks=64, swap_blocks=4)
-    loop = make_runner(gguf_form_model(paged_model(seed=6)), num_blocks=64, swap_blocks=4)
+    one_call, loop = _coded_runner(6, dtype), _coded_runner(6, dtype)
+    assert one_call.model.dtype == getattr(torch, dtype)
     # the codes are every product's route where the kernel is vectorized (AVX-512, or AVX2 and F16C)
     assert (one_call.lean.coded_layers is not None) == kernel.has_coded_simd()
+    if dtype == "bfloat16" and kernel.has_coded_simd():
+        dots = linear_ops.bf16_dots_kernel(kernel)
+        assert one_call.lean.coded_rows == (linear_ops.DOTS_CODES_MAX_ROWS if dots else linear_ops.BF16_CODES_MAX_ROWS)
+        kinds = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
+        assert kinds == {linear_ops.CODES_KERNELS.index("bf16_dots_codes_linear" if dots else "coded_pairs_linear")}
     loop.lean.coded_layers = None
     calls = []
     if one_call.lean.coded_layers is not None:
@@ -268,5 +293,8 @@ def test_layers_in_one_call_give_the_python_loops_bits():
     assert got == expected      # tokens, log-probs and top log-probs, exactly
     if kernel.has_coded_simd():
         assert len(calls) >= 6 and 3 in calls     # the decode steps of three rows took the one call
+        # float32: also the first step's prompt chunks (5 + 1 + 4 rows); in bfloat16 steps of more rows than
+        # its codes serve took the Python loop
+        assert max(calls) <= one_call.lean.coded_rows and (10 in calls) == (dtype == "float32")
     with torch.inference_mode():
         assert torch.equal(one_call.pool, loop.pool)
