@@ -104,3 +104,15 @@ def test_cpu_kernels_quick():
         rows += [(c[5].rstrip("x"), c[6]), (c[9].rstrip("x"), c[10])]
     for speedup, diff in rows:
         assert float(speedup) > 0 and float(diff) < 1e-3, out
+
+
+def test_layers_one_call_bench():
+    # a few steps each way: both columns measured, and the row count the one call does not take said so
+    cmd = [sys.executable, os.path.join("bench", "layers_one_call.py"), "--rows", "1,9", "--rounds", "1", "--block", "2",
+           "--num-threads", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    assert "bfloat16: the one call takes up to" in done.stdout
+    one_row = [line.split() for line in done.stdout.splitlines() if line.startswith("1 ")]
+    assert len(one_row) == 1 and float(one_row[0][1]) > 0 and float(one_row[0][2]) > 0, done.stdout
+    assert re.search(r"^9 .*not run: more rows than the one call takes", done.stdout, re.M), done.stdout
