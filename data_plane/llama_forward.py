@@ -92,8 +92,7 @@ class _Layer:
 
 def _same_route(route, other) -> bool:
     """Whether two RoutedLinear.codes_route answers name the same kernel on the same tensors."""
-    return route is not None and route[0] == other[0] and len(route[1]) == len(other[1]) \
-        and all(a is b for a, b in zip(route[1], other[1]))
+    return route is not None and route[0] == other[0] and all(a is b for a, b in zip(route[1], other[1]))
 
 
 def _plain_silu(model) -> bool:
@@ -221,8 +220,7 @@ class LlamaForward:
         x = ops.add_rms_norm(residual, None, *self.norms[0])
         if fused and self.coded_layers is not None and tokens <= self.coded_rows:
             return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
-                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None,
-                                             one_row if x.dtype == torch.bfloat16 else None)
+                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None, one_row)
         routes = self._routes(tokens)
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]

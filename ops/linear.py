@@ -180,7 +180,7 @@ class RoutedLinear:
         if reads_codes is not None:
             kind, tensors = reads_codes
             product = getattr(kernel, CODES_KERNELS[kind])
-            if kind == CODES_KERNELS.index("bf16_dots_codes_linear") or weight.dtype != torch.bfloat16:
+            if kind == CODES_KERNELS.index("bf16_dots_codes_linear"):   # (torch's order has no one-row chunks)
                 return lambda x, one_row=None: product(x, *tensors)
             return lambda x, one_row=None: product(x, *tensors, one_row)
         if weight.dtype == torch.bfloat16:

@@ -1,8 +1,9 @@
 // The decoder layers of a Llama-style model whose every product reads GGUF codes, in one call per step: a
-// float32 model's at every row count, a bfloat16 model's for the few rows its products read codes. data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten
-// calls a layer; for one stream, those calls' own cost (Python, pybind11, building the arguments) is a
-// visible share of a token's time next to the kernels, and a loop here skips it. Same kernels, same
-// arguments, same order: the same bits.
+// float32 model's at every row count, a bfloat16 model's for the few rows its products read codes.
+// data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten calls a
+// layer; for one stream, those calls' own cost (Python, pybind11, building the arguments) is a visible
+// share of a token's time next to the kernels, and a loop here skips it. Same kernels, same arguments,
+// same order: the same bits.
 #include "coded_layers.h"
 
 #include <utility>

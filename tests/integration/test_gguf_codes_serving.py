@@ -37,10 +37,10 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     rows, kinds, argmax_rows = [], set(), []
     real, real_argmax = kernel.coded_linear, kernel.q8_argmax
 
-    def spy(x, codes, scales, mins):
+    def spy(x, codes, scales, mins, one_row=None):
         rows.append(x.shape[0])
         kinds.add("q4_1" if mins is not None else "q8_0")
-        return real(x, codes, scales, mins)
+        return real(x, codes, scales, mins, one_row)
 
     def spy_argmax(x, *rest):
         argmax_rows.append(x.shape[0])
