@@ -90,11 +90,6 @@ class _Layer:
         self.down = route([mlp.down_proj])
 
 
-def _same_route(route, other) -> bool:
-    """Whether two RoutedLinear.codes_route answers name the same kernel on the same tensors."""
-    return route is not None and route[0] == other[0] and all(a is b for a, b in zip(route[1], other[1]))
-
-
 def _plain_silu(model) -> bool:
     return type(model.model.layers[0].mlp.act_fn).__name__ == "SiLUActivation"
 
@@ -168,7 +163,7 @@ class LlamaForward:
         self._route_cap = max(lin.rows_cap for lin in self.linears())
         self._route_cache: dict[int, list[tuple]] = {}
         self._pool, self._pool_views = None, []
-        self.coded_layers = self._coded_layers()
+        self.coded_layers, self.coded_rows = self._coded_layers()
         self.rotary = _Rotary(self.model.rotary_emb, getattr(model.config, "max_position_embeddings", 0) or 0,
                               weight.dtype)
 
@@ -176,32 +171,31 @@ class LlamaForward:
         """The kernel's CodedLayers (pagedserve_kernels/cpu/coded_layers.cpp), which runs every layer in one
         call with the kernels this loop calls one by one, where every product reads GGUF codes (a float32
         model's at every row count, a bfloat16 model's up to a few rows) and the norms, rotary and attention
-        are the kernel's; else None. Sets coded_rows, the most rows it takes (0: none)."""
-        self.coded_rows = 0
+        are the kernel's; with the most rows it takes. (None, 0) where there is none."""
         if not self.fused_attention or not hasattr(self.kernel, "CodedLayers"):
-            return None
+            return None, 0
         shape = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in self.layers}
         if len(shape) != 1:
-            return None
-        # every product's codes route of one row; the loop serves the row counts whose routes are those
+            return None, 0
+        # every product's codes route of one row; a product reads its codes (always with the same kernel
+        # and tensors) from one row up to some count, so the loop serves the counts where all of them do
         routes = [lin.codes_route(1) for lin in self.linears()]
         if any(route is None for route in routes):
-            return None
+            return None, 0
         rows = 1
-        while rows < self._route_cap and all(_same_route(lin.codes_route(rows + 1), route)
-                                             for lin, route in zip(self.linears(), routes)):
+        while rows < self._route_cap and all(lin.codes_route(rows + 1) is not None for lin in self.linears()):
             rows += 1
-        # (the routes of every count from the cap on are the cap's)
-        self.coded_rows = sys.maxsize if rows == self._route_cap else rows
         none = torch.empty(0)
         tensors, kinds = [], []
         for index, layer in enumerate(self.layers):
-            for kind, parts in routes[4 * index:4 * index + 4]:
+            for name, parts in routes[4 * index:4 * index + 4]:
                 tensors += [part if part is not None else none for part in parts] + [none] * (3 - len(parts))
-                kinds.append(kind)
+                kinds.append(linear_ops.CODES_KERNELS.index(name))
             tensors += [self.post_norms[index][0], self.norms[index + 1][0]]
-        return self.kernel.CodedLayers(tensors, kinds, [eps for _, eps in self.post_norms],
-                                       [eps for _, eps in self.norms[1:]], *shape.pop())
+        layers = self.kernel.CodedLayers(tensors, kinds, [eps for _, eps in self.post_norms],
+                                         [eps for _, eps in self.norms[1:]], *shape.pop())
+        # (the routes of every count from the cap on are the cap's)
+        return layers, sys.maxsize if rows == self._route_cap else rows
 
     def linears(self) -> list[linear_ops.RoutedLinear]:
         """Every layer's routed products (the output layer is not among them)."""

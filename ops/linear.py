@@ -59,7 +59,8 @@ BF16_CODES_MAX_ROWS = 4
 # through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
 # expansion of every code costs more than reading the weight saves (docs/performance.md)
 DOTS_CODES_MAX_ROWS = 5
-# the kernels that read codes, numbered as CodedLayers (pagedserve_kernels/cpu/coded_layers.h) takes them
+# the kernels that read codes (RoutedLinear.codes_route names them), numbered as CodedLayers
+# (pagedserve_kernels/cpu/coded_layers.h) takes them
 CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 # oneDNN generates its GEMM's code the first time it meets a row count (its cache then keeps it): a few
@@ -178,9 +179,9 @@ class RoutedLinear:
         weight, bias, kernel = self.weight, self.bias, self.kernel
         reads_codes = self.codes_route(rows)
         if reads_codes is not None:
-            kind, tensors = reads_codes
-            product = getattr(kernel, CODES_KERNELS[kind])
-            if kind == CODES_KERNELS.index("bf16_dots_codes_linear"):   # (torch's order has no one-row chunks)
+            name, tensors = reads_codes
+            product = getattr(kernel, name)
+            if name == "bf16_dots_codes_linear":   # (torch's order has no one-row chunks)
                 return lambda x, one_row=None: product(x, *tensors)
             return lambda x, one_row=None: product(x, *tensors, one_row)
         if weight.dtype == torch.bfloat16:
@@ -200,21 +201,21 @@ class RoutedLinear:
             return lambda x, one_row=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
         return lambda x, one_row=None: F.linear(x, weight, bias)
 
-    def codes_route(self, rows: int) -> tuple[int, tuple] | None:
-        """Where a call of `rows` rows reads the weight's codes: (the kernel's index in CODES_KERNELS, the
-        tensors it takes after x); else None. The layers in one call (llama_forward.py) take the same."""
+    def codes_route(self, rows: int) -> tuple[str, tuple] | None:
+        """Where a call of `rows` rows reads the weight's codes: (the kernel function's name, one of
+        CODES_KERNELS, and the tensors it takes after x); else None. The layers in one call
+        (llama_forward.py) take the same."""
         codes = self.codes
         if self.weight.dtype == torch.bfloat16:
             if self.dots:
                 if self.dots_codes is not None and rows <= DOTS_CODES_MAX_ROWS:
-                    return CODES_KERNELS.index("bf16_dots_codes_linear"), self.dots_codes
+                    return "bf16_dots_codes_linear", self.dots_codes
                 return None
             if codes is None or (rows > BF16_CODES_MAX_ROWS and (self.packed is not None or self.dot is not None)):
                 return None
         elif codes is None:
             return None
-        name = "coded_pairs_linear" if codes.paired else "coded_linear"
-        return CODES_KERNELS.index(name), (codes.codes, codes.scales, codes.mins)
+        return codes.kernel_name, (codes.codes, codes.scales, codes.mins)
 
 
 def _dots_codes(kernel, codes, weight: torch.Tensor):

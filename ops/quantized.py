@@ -45,9 +45,14 @@ class Codes:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
+    @property
+    def kernel_name(self) -> str:
+        """The name of the kernel function that reads these codes: f(x, codes, scales, mins, one_row=None)."""
+        return "coded_pairs_linear" if self.paired else "coded_linear"
+
     def product(self, kernel):
-        """The kernel's function that reads these codes: f(x, codes, scales, mins, one_row=None)."""
-        return kernel.coded_pairs_linear if self.paired else kernel.coded_linear
+        """The kernel's function that reads these codes (kernel_name)."""
+        return getattr(kernel, self.kernel_name)
 
     def linear(self, kernel, x: torch.Tensor) -> torch.Tensor:
         return self.product(kernel)(x, self.codes, self.scales, self.mins)

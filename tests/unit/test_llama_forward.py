@@ -272,8 +272,8 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
     if dtype == "bfloat16" and kernel.has_coded_simd():
         dots = linear_ops.bf16_dots_kernel(kernel)
         assert one_call.lean.coded_rows == (linear_ops.DOTS_CODES_MAX_ROWS if dots else linear_ops.BF16_CODES_MAX_ROWS)
-        kinds = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
-        assert kinds == {linear_ops.CODES_KERNELS.index("bf16_dots_codes_linear" if dots else "coded_pairs_linear")}
+        kernels = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
+        assert kernels == {"bf16_dots_codes_linear" if dots else "coded_pairs_linear"}
     loop.lean.coded_layers = None
     calls = []
     if one_call.lean.coded_layers is not None:
