@@ -153,15 +153,35 @@ struct BlockSpan {
   int64_t n, first, later;
 };
 
+// The first block of the walk that comes after this one (the values after the keys, the next head's or
+// row's keys after the values): its first `n` rows, already at the walk's offset. The last block of a walk
+// asks for them, so that no walk starts on rows nobody asked for.
+template <typename T>
+struct Then {
+  const T* rows = nullptr;
+  int64_t n = 0;
+};
+
 template <typename T>
 inline BlockSpan<T> block_span(const T* cache, const int32_t* table, int64_t p0, int64_t begin, int64_t len,
-                               int64_t block_size, int64_t slot_stride, int64_t offset) {
+                               int64_t block_size, int64_t slot_stride, int64_t offset, Then<T> then = {}) {
   const int64_t block = p0 / block_size;
   const bool ask = offset >= 0 && p0 + block_size < len;
+  const bool ask_then = offset >= 0 && !ask && then.rows != nullptr;
   return {cache + static_cast<int64_t>(table[block]) * block_size * slot_stride,
-          ask ? cache + static_cast<int64_t>(table[block + 1]) * block_size * slot_stride + offset : nullptr,
+          ask ? cache + static_cast<int64_t>(table[block + 1]) * block_size * slot_stride + offset
+              : (ask_then ? then.rows : nullptr),
           std::min(block_size, len - p0), std::max<int64_t>(0, begin - p0),
-          ask ? std::min(block_size, len - p0 - block_size) : 0};
+          ask ? std::min(block_size, len - p0 - block_size) : (ask_then ? then.n : 0)};
+}
+
+// where a walk over positions [begin, len) of `cache` at `offset` into each row starts: its first block's rows
+template <typename T>
+inline Then<T> walk_start(const T* cache, const int32_t* table, int64_t begin, int64_t len, int64_t block_size,
+                          int64_t slot_stride, int64_t offset) {
+  const int64_t p0 = begin / block_size * block_size;
+  return {cache + static_cast<int64_t>(table[p0 / block_size]) * block_size * slot_stride + offset,
+          std::min(block_size, len - p0)};
 }
 
 // asks for `values` values of row i of the span's next block (a cache line at a time). The span is taken by
@@ -178,9 +198,9 @@ inline void ask_row(BlockSpan<T> span, int64_t i, int64_t slot_stride, int64_t v
 template <typename T, typename Fn>
 inline void walk_context(const T* cache, const int32_t* table, int64_t begin, int64_t len,
                          int64_t block_size, int64_t slot_stride, Fn fn, int64_t prefetch_offset = -1,
-                         int64_t prefetch_values = 0) {
+                         int64_t prefetch_values = 0, Then<T> then = {}) {
   for (int64_t p0 = begin / block_size * block_size; p0 < len; p0 += block_size) {
-    const BlockSpan<T> span = block_span(cache, table, p0, begin, len, block_size, slot_stride, prefetch_offset);
+    const BlockSpan<T> span = block_span(cache, table, p0, begin, len, block_size, slot_stride, prefetch_offset, then);
     for (int64_t i = 0; i < span.n; ++i) {
       ask_row(span, i, slot_stride, prefetch_values);
       if (i >= span.first) fn(p0 + i - begin, span.rows + i * slot_stride);
@@ -881,9 +901,11 @@ inline void values4_group(const T* const (&rows)[4], const float* w, int64_t str
 template <int NV, int C, typename T>
 void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                     const int32_t* table, int64_t begin, int64_t full_len, int64_t end, int64_t qrows, int64_t tok,
-                    int64_t h, int64_t j0, float* scores, float* rescale) {
+                    int64_t h, int64_t j0, float* scores, float* rescale, Then<T> then) {
   const int64_t len = full_len - begin;
   const bool sdpa = sdpa_order<T>(sh);   // (then begin is 0)
+  // the values' first block, asked for at the keys' last
+  const Then<T> values = walk_start(vc, table, begin, full_len, sh.block_size, sh.slot_stride, h * sh.head_dim);
   // the scale goes into the query, or after the dot products in torch's SDPA order
   const __m512 qscale = _mm512_set1_ps(sdpa ? 1.f : sh.scale);
   __m512 qv[C][NV];
@@ -899,7 +921,7 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
     walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
       group[p % 4] = row + h * sh.head_dim;
       if (p % 4 == 3) chains4_group<NV, C, T>(qb, group, 4, scores + p - 3, len);
-    }, h * sh.head_dim, sh.head_dim);
+    }, h * sh.head_dim, sh.head_dim, values);
     if (len % 4 != 0) {
       for (int64_t i = len % 4; i < 4; ++i) group[i] = group[len % 4 - 1];
       chains4_group<NV, C, T>(qb, group, len % 4, scores + len - len % 4, len);
@@ -915,7 +937,7 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       for (int v = 1; v < NV; ++v) d = _mm512_fmadd_ps(qv[c][v], kv[v], d);
       scores[c * len + p] = _mm512_reduce_add_ps(d);
     }
-  }, h * sh.head_dim, sh.head_dim);
+  }, h * sh.head_dim, sh.head_dim, values);
   float inv_sum[C];
   const int64_t blocks = (len + kSdpaBlock - 1) / kSdpaBlock;
   for (int c = 0; c < C; ++c)
@@ -953,7 +975,7 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       group[p % 4] = val;
       if (p % 4 == 3) values4_group<NV, C, T>(group, scores + p - 3, len, acc);
     }
-  }, h * sh.head_dim, sh.head_dim);
+  }, h * sh.head_dim, sh.head_dim, then);
   for (int64_t p = len - 1; p >= tail_from; --p) add_one(p, tail[p - tail_from]);
   for (int c = 0; c < C; ++c) {
     T* oc = o + tok * sh.o_tok + (h * sh.group + j0 + c) * sh.o_head;
@@ -966,7 +988,7 @@ template <int NV, typename T>
 void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                    const int32_t* table, int64_t full_len, int64_t end, int64_t qrows, int64_t tok, int64_t h0,
                    int64_t h1,
-                   std::vector<float>& scores) {
+                   std::vector<float>& scores, Then<T> then) {
   constexpr int kChunk = NV <= 4 ? 4 : 2;   // query heads per pass: C * NV accumulators in registers
   const int64_t begin = first_visible(sh, full_len - 1);
   const int64_t len = full_len - begin, blocks = (len + kSdpaBlock - 1) / kSdpaBlock;
@@ -977,11 +999,15 @@ void decode_item16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       const int64_t c = std::min<int64_t>(kChunk, sh.group - j);
       float* sc = scores.data();
       float* sf = sc + kChunk * len;
+      // the keys walked after this pass: this head's again (more query heads), the next head's, or the next item's
+      const int64_t next_h = j + c < sh.group ? h : h + 1;
+      const Then<T> after = next_h < h1
+          ? walk_start(kc, table, begin, full_len, sh.block_size, sh.slot_stride, next_h * sh.head_dim) : then;
       switch (c) {
-        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
-        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
-        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
-        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf); break;
+        case 1: decode_heads16<NV, 1, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf, after); break;
+        case 2: decode_heads16<NV, 2, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf, after); break;
+        case 3: decode_heads16<NV, 3, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf, after); break;
+        default: decode_heads16<NV, kChunk, T>(sh, q, kc, vc, o, table, begin, full_len, end, qrows, tok, h, j, sc, sf, after); break;
       }
       j += c;
     }
@@ -992,13 +1018,13 @@ template <typename T>
 bool decode_avx512(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
                    const int32_t* table, int64_t full_len, int64_t end, int64_t qrows, int64_t tok, int64_t h0,
                    int64_t h1,
-                   std::vector<float>& scores) {
+                   std::vector<float>& scores, Then<T> then) {
   switch (sh.head_dim) {
-    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
-    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
-    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
-    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
-    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores); return true;
+    case 32: decode_item16<2, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores, then); return true;
+    case 64: decode_item16<4, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores, then); return true;
+    case 80: decode_item16<5, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores, then); return true;
+    case 96: decode_item16<6, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores, then); return true;
+    case 128: decode_item16<8, T>(sh, q, kc, vc, o, table, full_len, end, qrows, tok, h0, h1, scores, then); return true;
     default: return false;
   }
 }
@@ -1039,7 +1065,14 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
       [[maybe_unused]] const int64_t qrows = sh.qrows != nullptr ? sh.qrows[r] : 0;   // (AVX-512 only)
       const int32_t* table = tables + r * sh.max_blocks;
 #ifdef PAGEDSERVE_AVX512
-      if (decode_avx512(sh, q, kc, vc, o, table, len, end, qrows, tok, h0, h0 + heads_per_item, scores)) continue;
+      // the keys the thread's next item starts on
+      Then<T> then;
+      if (item + 1 < bounds[p1]) {
+        const int64_t r2 = (item + 1) / items_per_row, len2 = lens[r2];
+        then = walk_start(kc, tables + r2 * sh.max_blocks, first_visible(sh, len2 - 1), len2, sh.block_size,
+                          sh.slot_stride, ((item + 1) % items_per_row) * heads_per_item * sh.head_dim);
+      }
+      if (decode_avx512(sh, q, kc, vc, o, table, len, end, qrows, tok, h0, h0 + heads_per_item, scores, then)) continue;
 #endif
       if (vector) decode_one<true>(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores, acc);
       else decode_one<false>(sh, q, kc, vc, o, table, len, end, tok, h0, h0 + heads_per_item, scores, acc);
