@@ -145,7 +145,10 @@ inline const float* as_float(const bf16* row, float* buf, int64_t n) {
 // while this block is worked on, row i of the next block beside row i of this one (ask_row), so that the
 // requests trickle out as the walk goes instead of queueing all at once behind the core's few outstanding
 // misses. Into L2 (locality 2): asked into L1, a 64-row walk over a shuffled pool was no faster than with
-// no prefetch at all.
+// no prefetch at all. The AVX-512 walks (walk_context) ask for every row twice, two blocks ahead and again
+// one block ahead: 0.81-0.93x the time of asking once one block ahead at 8-64 rows, where asking once two
+// blocks ahead gained little and a third request three blocks ahead lost (bench/kernels_ab.py, an AMD
+// Zen 4); a core may drop a prefetch it has no room for, and the second request is a second chance.
 template <typename T>
 struct BlockSpan {
   const T* rows;
@@ -162,17 +165,20 @@ struct Then {
   int64_t n = 0;
 };
 
+// The block at p0, and where to ask ahead while it is walked: `ahead` blocks further on, or, where that
+// would be one past the walk's last block, the first block of the walk after it (`then`)
 template <typename T>
 inline BlockSpan<T> block_span(const T* cache, const int32_t* table, int64_t p0, int64_t begin, int64_t len,
-                               int64_t block_size, int64_t slot_stride, int64_t offset, Then<T> then = {}) {
-  const int64_t block = p0 / block_size;
-  const bool ask = offset >= 0 && p0 + block_size < len;
-  const bool ask_then = offset >= 0 && !ask && then.rows != nullptr;
+                               int64_t block_size, int64_t slot_stride, int64_t offset, Then<T> then = {},
+                               int64_t ahead = 1) {
+  const int64_t block = p0 / block_size, target = block + ahead, blocks = (len + block_size - 1) / block_size;
+  const bool ask = offset >= 0 && target < blocks;
+  const bool ask_then = offset >= 0 && target == blocks && then.rows != nullptr;
   return {cache + static_cast<int64_t>(table[block]) * block_size * slot_stride,
-          ask ? cache + static_cast<int64_t>(table[block + 1]) * block_size * slot_stride + offset
+          ask ? cache + static_cast<int64_t>(table[target]) * block_size * slot_stride + offset
               : (ask_then ? then.rows : nullptr),
           std::min(block_size, len - p0), std::max<int64_t>(0, begin - p0),
-          ask ? std::min(block_size, len - p0 - block_size) : (ask_then ? then.n : 0)};
+          ask ? std::min(block_size, len - target * block_size) : (ask_then ? then.n : 0)};
 }
 
 // where a walk over positions [begin, len) of `cache` at `offset` into each row starts: its first block's rows
@@ -201,7 +207,9 @@ inline void walk_context(const T* cache, const int32_t* table, int64_t begin, in
                          int64_t prefetch_values = 0, Then<T> then = {}) {
   for (int64_t p0 = begin / block_size * block_size; p0 < len; p0 += block_size) {
     const BlockSpan<T> span = block_span(cache, table, p0, begin, len, block_size, slot_stride, prefetch_offset, then);
+    const BlockSpan<T> far = block_span(cache, table, p0, begin, len, block_size, slot_stride, prefetch_offset, then, 2);
     for (int64_t i = 0; i < span.n; ++i) {
+      ask_row(far, i, slot_stride, prefetch_values);
       ask_row(span, i, slot_stride, prefetch_values);
       if (i >= span.first) fn(p0 + i - begin, span.rows + i * slot_stride);
     }
