@@ -146,9 +146,9 @@ inline const float* as_float(const bf16* row, float* buf, int64_t n) {
 // requests trickle out as the walk goes instead of queueing all at once behind the core's few outstanding
 // misses. Into L2 (locality 2): asked into L1, a 64-row walk over a shuffled pool was no faster than with
 // no prefetch at all. The AVX-512 walks (walk_context) ask for every row twice, two blocks ahead and again
-// one block ahead: 0.81-0.93x the time of asking once one block ahead at 8-64 rows, where asking once two
-// blocks ahead gained little and a third request three blocks ahead lost (bench/kernels_ab.py, an AMD
-// Zen 4); a core may drop a prefetch it has no room for, and the second request is a second chance.
+// one block ahead: faster than asking once at either distance, where a third request, three blocks ahead,
+// was slower (bench/kernels_ab.py); a core may drop a prefetch it has no room for, and the second request
+// is a second chance.
 template <typename T>
 struct BlockSpan {
   const T* rows;
