@@ -25,13 +25,12 @@
 // on SmolLM2's shapes (9 heads, 3 KV heads, head_dim 64), 2 threads: a decode step of 64 sequences
 // at context 128, 26.9 against 32.2 ms over 30 layers; prompt rows (one row per query token, see
 // ops/attention.py), 10 prompts of 51 tokens 0.32 against 0.66 ms a layer, one of 128 0.32 against
-// 0.60. The AVX-512 walk asks for the next block's rows ahead (blocks sit anywhere in the pool, where
-// the hardware cannot guess them): 30 layers of a 64-sequence step at context 128, K/V from memory,
-// 21.9-22.1 against 26.1-27.4 ms without. Otherwise, with AVX2+FMA (and head_dim a multiple of 8)
-// the dot products, exponentials and value sums are vectorized by hand in eight lanes (up to four query
-// heads' dots per key row, dots4; up to three query heads' value sums in registers, value_sums8, in torch's
-// SDPA steps too), and the walks ask for the next block's rows ahead as the AVX-512 walk does; without,
-// plain loops do the same arithmetic.
+// 0.60. The AVX-512 walk asks for the rows of the blocks ahead and of the walk after it (blocks sit
+// anywhere in the pool, where the hardware cannot guess them; see BlockSpan). Otherwise, with AVX2+FMA
+// (and head_dim a multiple of 8) the dot products, exponentials and value sums are vectorized by hand in
+// eight lanes (up to four query heads' dots per key row, dots4; up to three query heads' value sums in
+// registers, value_sums8, in torch's SDPA steps too), and the walks ask for the next block's rows once,
+// one block ahead; without, plain loops do the same arithmetic.
 #include "aten.h"
 
 #include <algorithm>
@@ -157,8 +156,8 @@ struct BlockSpan {
 };
 
 // The first block of the walk that comes after this one (the values after the keys, the next head's or
-// row's keys after the values): its first `n` rows, already at the walk's offset. The last block of a walk
-// asks for them, so that no walk starts on rows nobody asked for.
+// row's keys after the values): its first `n` rows, already at the walk's offset. A walk's last blocks
+// ask for them, so that no walk starts on rows nobody asked for.
 template <typename T>
 struct Then {
   const T* rows = nullptr;
