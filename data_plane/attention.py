@@ -54,6 +54,9 @@ class StepContext:
     # bool [tokens]: the tokens that transformers computes in a call of one row (generated tokens, prompts of
     # one token), whose bfloat16 products sum in other chunks (ops/linear.RoutedLinear.route); None: none
     one_row: torch.Tensor | None = None
+    # int64 [rows]: the tokens whose last hidden state the step reads (sampled rows), in order; the forward
+    # returns only theirs, and may skip the rest's last layer past its attention. None: every token's
+    keep_rows: torch.Tensor | None = None
     # the state layers' part of the step (data_plane/state_pool.py), for a model that has them
     state: "StateStep | None" = None
     # model layer index -> its slab of kv_pool, for a model with state layers (which have no slab:

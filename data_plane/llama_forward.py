@@ -202,6 +202,8 @@ class LlamaForward:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The last norm [tokens, hidden] of a step's tokens, or of ctx.keep_rows' only where it is set (the
+        layers in one call then leave the others' last layer after its attention: their KV is written)."""
         m, ops, kernel = self.model, self.ops, self.kernel
         residual = m.embed_tokens(input_ids)                                 # [tokens, hidden], a new tensor
         cos, sin = self.rotary.cos_sin(residual, positions)
@@ -212,9 +214,11 @@ class LlamaForward:
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
         x = ops.add_rms_norm(residual, None, *self.norms[0])
+        keep = getattr(ctx, "keep_rows", None)
         if fused and self.coded_layers is not None and tokens <= self.coded_rows:
             return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
-                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None, one_row)
+                                             rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None, one_row,
+                                             keep)
         routes = self._routes(tokens)
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]
@@ -232,7 +236,7 @@ class LlamaForward:
             x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size), one_row), *self.post_norms[index])
             x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x, one_row)), one_row),
                                  *self.norms[index + 1])
-        return x
+        return x if keep is None else x.index_select(0, keep)
 
     def _attention(self, layer: _Layer, qkv, cos, sin, k_cache, v_cache, ctx) -> torch.Tensor:
         """Attention by separate calls: the torch operations, Triton, or prompt runs the kernel leaves to

@@ -423,8 +423,9 @@ class ModelRunner:
                                 f"{self.block_size})")
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, ctx: attention.StepContext) -> torch.Tensor:
-        """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions)."""
-        if self.graphs is not None:
+        """The last hidden states [tokens, hidden] of one step's flattened tokens ([1, tokens] ids and positions),
+        or of ctx.keep_rows' only where it is set."""
+        if self.graphs is not None and ctx.keep_rows is None:
             hidden = self.graphs.run(ids, pos, ctx)   # decode-only steps up to the largest bucket
             if hidden is not None:
                 return hidden
@@ -434,20 +435,24 @@ class ModelRunner:
         if self.lean is not None:
             return self.lean(ids[0], pos[0], ctx)
         with attention.use_step_context(ctx):
-            return self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+            hidden = self.model.base_model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0]
+        return hidden if ctx.keep_rows is None else hidden.index_select(0, ctx.keep_rows)
 
     @torch.inference_mode()
     def _forward_and_sample(self, scheduled, masks: dict[int, bytes] | None = None):
         ctx, ids, pos, sample_rows = self._prepare(scheduled)
-        hidden = self._forward(ids, pos, ctx)
         slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
+        rows = torch.tensor([r for _, r in sample_rows], dtype=torch.long, device=self.device)
+        # prompt tokens nobody reads the logits of: the forward may leave their last layer after its attention
+        if not slices and len(sample_rows) < ids.shape[1]:
+            ctx.keep_rows = rows
+        hidden = self._forward(ids, pos, ctx)
         prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size) if slices else []
         for seq_id, num_new in scheduled:
             self.seqs[seq_id].num_computed_tokens += num_new
         if not sample_rows:
             return [], ids.shape[1], prompt_scores
-        rows = torch.tensor([r for _, r in sample_rows], device=self.device)
-        hidden_rows = hidden.index_select(0, rows)
+        hidden_rows = hidden if ctx.keep_rows is not None else hidden.index_select(0, rows)
         sample_inputs = []
         for seq_id, _ in sample_rows:
             st = self.seqs[seq_id]

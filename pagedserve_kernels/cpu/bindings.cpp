@@ -88,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a model's decoder layers whose every product reads GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())
       .def("set_caches", &CodedLayers::set_caches, "per layer its K and V cache")
-      .def("forward", &CodedLayers::forward, "the layers over residual (in place) from its first norm x; returns the last norm",
+      .def("forward", &CodedLayers::forward, "the layers over residual (in place) from its first norm x; returns the last norm (of the rows in keep, when given)",
            pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("vectorized", &vectorized, "whether this build uses the AVX2/FMA paths");
 }

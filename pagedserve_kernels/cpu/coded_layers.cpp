@@ -76,8 +76,9 @@ at::Tensor CodedLayers::apply(const Product& w, const at::Tensor& x, const c10::
 at::Tensor CodedLayers::forward(at::Tensor residual, at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                 at::Tensor tables, at::Tensor lens, at::Tensor tokens,
                                 c10::optional<at::Tensor> ends, int64_t lanes, c10::optional<at::Tensor> qrows,
-                                c10::optional<at::Tensor> one_row) {
+                                c10::optional<at::Tensor> one_row, c10::optional<at::Tensor> keep) {
   TORCH_CHECK(caches_.size() == 2 * layers_.size(), "CodedLayers: set_caches first");
+  TORCH_CHECK(!keep || (keep->scalar_type() == at::kLong && keep->dim() == 1), "CodedLayers: keep int64 [rows kept]");
   const int64_t rows = x.size(0);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
@@ -88,6 +89,16 @@ at::Tensor CodedLayers::forward(at::Tensor residual, at::Tensor x, at::Tensor co
     at::Tensor out = at::empty_like(q);
     paged_decode(out, q, k_cache, v_cache, tables, lens, tokens, scaling_, 0, 0.0, c10::nullopt, c10::nullopt, 0, ends,
                  lanes, qrows);
+    if (keep && i + 1 == layers_.size()) {
+      // past the last attention only the kept rows' states are read: each product's row is its own FMA chains,
+      // so the rows left out change no bit of the others
+      at::Tensor kept = residual.index_select(0, *keep);
+      c10::optional<at::Tensor> ones = one_row ? c10::optional<at::Tensor>(one_row->index_select(0, *keep)) : c10::nullopt;
+      const auto kept_product = [&](int p, const at::Tensor& in) { return apply(layer.products[p], in, ones); };
+      x = add_rms_norm(kept, kept_product(1, out.view({rows, heads_ * head_dim_}).index_select(0, *keep)),
+                       layer.post_norm, post_eps_[i]);
+      return add_rms_norm(kept, kept_product(3, silu_mul(kept_product(2, x))), layer.next_norm, next_eps_[i]);
+    }
     x = add_rms_norm(residual, product(1, out.view({rows, heads_ * head_dim_})), layer.post_norm, post_eps_[i]);
     x = add_rms_norm(residual, product(3, silu_mul(product(2, x))), layer.next_norm, next_eps_[i]);
   }

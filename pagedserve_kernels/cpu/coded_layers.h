@@ -19,10 +19,13 @@ class CodedLayers {
   // per layer its K and V cache (views of the pool), in that order
   void set_caches(std::vector<at::Tensor> caches);
   // residual [rows, hidden] (updated in place) and x its first norm; the rest as paged_decode and
-  // rotary_store take them, and one_row as the products take it. Returns the last norm of the residual.
+  // rotary_store take them, and one_row as the products take it. Returns the last norm of the residual; with
+  // keep (int64 row indices), of those rows only, whose last layer alone then runs past its attention (the
+  // residual then holds the last layer's input).
   at::Tensor forward(at::Tensor residual, at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                      at::Tensor tables, at::Tensor lens, at::Tensor tokens, c10::optional<at::Tensor> ends,
-                     int64_t lanes, c10::optional<at::Tensor> qrows, c10::optional<at::Tensor> one_row);
+                     int64_t lanes, c10::optional<at::Tensor> qrows, c10::optional<at::Tensor> one_row,
+                     c10::optional<at::Tensor> keep);
 
  private:
   struct Product {

@@ -275,7 +275,7 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
         kernels = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
         assert kernels == {"bf16_dots_codes_linear" if dots else "coded_pairs_linear"}
     loop.lean.coded_layers = None
-    calls = []
+    calls, kept = [], []
     if one_call.lean.coded_layers is not None:
         layers = one_call.lean.coded_layers
 
@@ -285,6 +285,7 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
 
             def forward(self, *args):
                 calls.append(args[0].shape[0])
+                kept.append(None if args[-1] is None else args[-1].tolist())
                 return layers.forward(*args)
 
         one_call.lean.coded_layers = Counted()
@@ -296,5 +297,9 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
         # float32: also the first step's prompt chunks (5 + 1 + 4 rows); in bfloat16 steps of more rows than
         # its codes serve took the Python loop
         assert max(calls) <= one_call.lean.coded_rows and (10 in calls) == (dtype == "float32")
+        # the first step's last layer ran past its attention for the two prompts it finished only (rows 5
+        # and 9 of 10: the third prompt's chunk of 5 of 11 tokens samples nothing); decode steps keep all
+        assert all(keep is None for rows, keep in zip(calls, kept) if rows == 3)
+        assert ([5, 9] in kept) == (dtype == "float32")
     with torch.inference_mode():
         assert torch.equal(one_call.pool, loop.pool)
