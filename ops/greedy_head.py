@@ -54,16 +54,18 @@ class GreedyHead:
         self.norms = torch.empty_like(self.absums)
         for g in range(0, groups, NORM_GROUPS):
             self.norms[g:g + NORM_GROUPS] = _norms_up(blocks[g:g + NORM_GROUPS], codes.scales[g:g + NORM_GROUPS])
+        # per group of 16 outputs and block, the largest norm and absum of its outputs: the group's widest bound
+        self.widest = torch.stack([self.norms.amax(2), self.absums.amax(2)], 1).contiguous()
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.absums.numel() * 4 + self.norms.numel() * 4
+        return self.packed.numel() + (self.absums.numel() + self.norms.numel() + self.widest.numel()) * 4
 
     def tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Per row of float32 hidden [rows, K]: its greedy token (-1 where a value is not finite: that
         row needs the full logits), and how many logits were computed exactly."""
         tokens, _, counts = self.kernel.q8_argmax(hidden.contiguous(), self.packed, self.codes.codes,
-                                                  self.codes.scales, self.absums, self.norms)
+                                                  self.codes.scales, self.absums, self.norms, self.widest)
         return tokens.tolist(), counts.tolist()
 
 

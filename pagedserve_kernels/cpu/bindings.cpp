@@ -32,7 +32,7 @@ at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min);
 bool has_q8_argmax();
 std::string q8_argmax_kind();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums, at::Tensor norms);
+                                  at::Tensor absums, at::Tensor norms, at::Tensor widest);
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {

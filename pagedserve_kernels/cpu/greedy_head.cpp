@@ -17,6 +17,11 @@
 // not per row. (The bound per block s_b / 2 * sum |w_nb|, which assumes every e_k at its largest and of
 // w's sign, left several times the candidates on SmolLM2's states.)
 //
+// The pass is two sweeps over the layer (approx_all). The first computes every approximate logit and bounds
+// each group of 16 outputs at once, by the group's widest bound (each block's largest norm and sum over the
+// group): enough for a lower end of the row's largest logit. The second bounds each output only in the few
+// groups whose largest approximate logit plus that bound reaches it.
+//
 // The first pass reads the codes plus 128 as unsigned bytes (VPDPBUSD multiplies unsigned by signed), laid
 // out [N / 16, K / 4, 16, 4]: for group g and inputs 4j..4j+3, the 16 rows' four codes, one 32-bit lane
 // per row; sum (c + 128) q = sum c q + 128 sum q, so each block's accumulator starts at -128 * sum q.
@@ -68,6 +73,7 @@ struct Head {
   const at::Half* scales;   // [N / 16, K / 32, 16]
   const float* absums;      // |scale| * sum |codes| per block, [N / 16, K / 32, 16]
   const float* norms;       // the Euclidean norm of the block's weights, rounded up, [N / 16, K / 32, 16]
+  const float* widest;      // per group and block the largest of its 16 norms, then of its absums, [N / 16, 2, K / 32]
 };
 
 // one row of x in int8 blocks: codes, per block scale, -128 * sum of the block's codes and the norm of
@@ -78,6 +84,10 @@ struct QuantRows {
   std::vector<int32_t> corr;  // [M, K / 32]
   std::vector<float> err;     // [M, K / 32], rounded up
   std::vector<char> finite;   // [M]
+  // err and s again by block, [K / 32, padded], each block's rows padded with zeros to a multiple of 16: what
+  // the widest bounds of a group read 16 rows at a time (AVX512-VNNI)
+  std::vector<float> err_t, s_t;
+  int64_t padded = 0;
 };
 
 // the norm of x_b - s q_b over a block, in double (each difference is exact there: s q has at most 32
@@ -125,6 +135,16 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
       r.corr[m * blocks + b] = -128 * sum;
       r.err[m * blocks + b] = rounding_norm(xb, r.q.data() + m * K + b * kBlock, r.s[m * blocks + b]);
     }
+#ifdef PAGEDSERVE_Q8_ARGMAX_VNNI
+  r.padded = (M + kGroup - 1) / kGroup * kGroup;
+  r.err_t.assign(blocks * r.padded, 0.f);
+  r.s_t.assign(blocks * r.padded, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      r.err_t[b * r.padded + m] = r.err[m * blocks + b];
+      r.s_t[b * r.padded + m] = r.s[m * blocks + b];
+    }
+#endif
   return r;
 }
 
@@ -135,112 +155,7 @@ struct Found {
   std::vector<std::vector<std::pair<int64_t, float>>> outputs;
 };
 
-#ifdef PAGEDSERVE_Q8_ARGMAX_VNNI
-// the outputs of group g whose upper end reaches the row's largest lower end so far, given the row's
-// approximate logits and their bounds
-inline void keep_reaching(__m512 total, __m512 margin, int64_t m, int64_t g, Found& found) {
-  float& lower = found.lower[m];
-  lower = std::max(lower, _mm512_reduce_max_ps(_mm512_sub_ps(total, margin)));
-  const __m512 upper = _mm512_add_ps(total, margin);
-  __mmask16 reach = _mm512_cmp_ps_mask(upper, _mm512_set1_ps(lower), _CMP_GE_OQ);
-  if (!reach) return;
-  alignas(64) float up[kGroup];
-  _mm512_store_ps(up, upper);
-  while (reach) {
-    const int l = __builtin_ctz(reach);
-    reach &= reach - 1;
-    found.outputs[m].emplace_back(g * kGroup + l, up[l]);
-  }
-}
-
-// R rows of x against C groups of 16 outputs from g: each weight load feeds R products and each
-// broadcast of x C of them (one load per product held VPDPBUSD to about a third of its rate)
-template <int R, int C, bool Ask>
-void approx_tile(const QuantRows& xq, int64_t m0, const Head& head, int64_t g, int64_t K, float slack, Found& found) {
-  const int64_t blocks = K / kBlock;
-  __m512 total[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i acc[R][C];
-    for (int r = 0; r < R; ++r) {
-      const __m512i start = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
-      for (int c = 0; c < C; ++c) acc[r][c] = start;
-    }
-    // the first tile of rows asks for the next C groups' codes, scales and bounds at the place read here
-    // (coded_linear.cpp's expand_pairs says why); the other tiles find these groups in the cache
-    if constexpr (Ask)
-      for (int c = 0; c < C; ++c) {
-        __builtin_prefetch(head.scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
-        __builtin_prefetch(head.absums + ((g + c + C) * blocks + b) * kGroup, 0, 3);
-        __builtin_prefetch(head.norms + ((g + c + C) * blocks + b) * kGroup, 0, 3);
-      }
-    for (int64_t j = 0; j < kBlock / 4; ++j) {
-      __m512i w[C];
-      for (int c = 0; c < C; ++c) {
-        if constexpr (Ask) __builtin_prefetch(head.packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
-        w[c] = _mm512_loadu_si512(head.packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
-        const __m512i x4 = _mm512_set1_epi32(four);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], x4);
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head.scales + ((g + c) * blocks + b) * kGroup)));
-      for (int r = 0; r < R; ++r)
-        total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), d),
-                                      _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), total[r][c]);
-    }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) {
-      __m512 bound = _mm512_setzero_ps(), cover = _mm512_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t at = ((g + c) * blocks + b) * kGroup, xb = (m0 + r) * blocks + b;
-        bound = _mm512_fmadd_ps(_mm512_loadu_ps(head.norms + at), _mm512_set1_ps(xq.err[xb]), bound);
-        cover = _mm512_fmadd_ps(_mm512_loadu_ps(head.absums + at), _mm512_set1_ps(xq.s[xb]), cover);
-      }
-      keep_reaching(total[r][c], _mm512_fmadd_ps(cover, _mm512_set1_ps(slack), bound), m0 + r, g + c, found);
-    }
-}
-
-template <int C>
-void approx_rows(const QuantRows& xq, int64_t M, const Head& head, int64_t g, int64_t K, float slack, Found& found) {
-  // the first tile of rows asks for the next groups (Ask), the others do not
-  const auto tile = [&](auto ask, int64_t m0) {
-    constexpr bool Ask = decltype(ask)::value;
-    switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: approx_tile<1, C, Ask>(xq, m0, head, g, K, slack, found); break;
-      case 2: approx_tile<2, C, Ask>(xq, m0, head, g, K, slack, found); break;
-      case 3: approx_tile<3, C, Ask>(xq, m0, head, g, K, slack, found); break;
-      default: approx_tile<4, C, Ask>(xq, m0, head, g, K, slack, found); break;
-    }
-  };
-  if (M > 0) tile(std::true_type{}, 0);
-  for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
-}
-
-void approx_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, int64_t g1, int64_t K, float slack,
-                   Found& found) {
-  int64_t g = g0;
-  for (; g + kTileGroups <= g1; g += kTileGroups)
-    approx_rows<kTileGroups>(xq, M, head, g, K, slack, found);
-  for (; g < g1; ++g) approx_rows<1>(xq, M, head, g, K, slack, found);
-}
-
-// the first pass, each part's groups in one sweep
-void approx_all(const QuantRows& xq, int64_t M, const Head& head, int64_t groups, int64_t K, float slack,
-                int64_t parts, std::vector<Found>& found) {
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      approx_groups(xq, M, head, groups * p / parts, groups * (p + 1) / parts, K, slack, found[p]);
-  });
-}
-#elif defined(PAGEDSERVE_Q8_ARGMAX)
-
+#ifdef PAGEDSERVE_Q8_ARGMAX
 // the outputs n0 .. n0 + 15 whose upper end reaches the row's largest lower end so far, given their
 // approximate logits and their bounds; the lower end is taken over all 16 outputs of the group first
 inline void keep_reaching(const float* total, const float* bound, int64_t m, int64_t n0, Found& found) {
@@ -263,6 +178,111 @@ inline void keep_reaching(const float* total, const float* bound, int64_t m, int
     }
   }
 }
+#endif
+
+#ifdef PAGEDSERVE_Q8_ARGMAX_VNNI
+// The widest bound of groups g .. g + C - 1 for every row, into wides[(g + c) * M + m]: from each block's
+// largest norm and sum over the group's outputs, 16 rows a time from x's errors and scales laid out by block.
+// Summed as an output's own bound is (reaching_groups), each term with a coefficient no smaller: never less
+// than the bound of any output of the group.
+void group_wides(const QuantRows& xq, int64_t M, const Head& head, int64_t g, int C, int64_t blocks, float slack,
+                 float* wides) {
+  for (int c = 0; c < C; ++c) {
+    const float* widest = head.widest + (g + c) * 2 * blocks;
+    for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
+      __m512 sum = _mm512_setzero_ps(), cover = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        sum = _mm512_fmadd_ps(_mm512_set1_ps(widest[b]), _mm512_loadu_ps(xq.err_t.data() + b * xq.padded + m0), sum);
+        cover = _mm512_fmadd_ps(_mm512_set1_ps(widest[blocks + b]), _mm512_loadu_ps(xq.s_t.data() + b * xq.padded + m0),
+                                cover);
+      }
+      const __mmask16 live = M - m0 >= kGroup ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - m0)) - 1);
+      _mm512_mask_storeu_ps(wides + (g + c) * M + m0, live, _mm512_fmadd_ps(cover, _mm512_set1_ps(slack), sum));
+    }
+  }
+}
+
+// R rows of x against C groups of 16 outputs from g: each weight load feeds R products and each broadcast
+// of x C of them (one load per product held VPDPBUSD to about a third of its rate). Each (row, group)'s 16
+// approximate logits go to totals[((g + c) * M + m) * 16], their largest to tops[(g + c) * M + m], and the
+// row's lower end rises to that less the group's widest bound: no output's own bound here, which cost a
+// third as much again as the products (the second sweep bounds the few groups that can still hold the top).
+template <int R, int C, bool Ask>
+void approx_tile(const QuantRows& xq, int64_t M, int64_t m0, const Head& head, int64_t g, int64_t K, float* totals,
+                 float* tops, const float* wides, float* lower) {
+  const int64_t blocks = K / kBlock;
+  __m512 total[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
+      for (int c = 0; c < C; ++c) acc[r][c] = start;
+    }
+    // the first tile of rows asks for the next C groups' codes and scales at the place read here
+    // (coded_linear.cpp's expand_pairs says why); the other tiles find these groups in the cache
+    if constexpr (Ask)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(head.scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
+    for (int64_t j = 0; j < kBlock / 4; ++j) {
+      __m512i w[C];
+      for (int c = 0; c < C; ++c) {
+        if constexpr (Ask) __builtin_prefetch(head.packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+        w[c] = _mm512_loadu_si512(head.packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
+        const __m512i x4 = _mm512_set1_epi32(four);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], x4);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head.scales + ((g + c) * blocks + b) * kGroup)));
+      for (int r = 0; r < R; ++r)
+        total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][c]), d),
+                                      _mm512_set1_ps(xq.s[(m0 + r) * blocks + b]), total[r][c]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r, at = (g + c) * M + m;
+      _mm512_storeu_ps(totals + at * kGroup, total[r][c]);
+      tops[at] = _mm512_reduce_max_ps(total[r][c]);
+      lower[m] = std::max(lower[m], tops[at] - wides[at]);
+    }
+}
+
+// groups g .. g + C - 1 against every row: their widest bounds, then the tiles of rows, the first of which
+// asks for the next groups (Ask)
+template <int C>
+void sweep_tiles(const QuantRows& xq, int64_t M, const Head& head, int64_t g, int64_t K, float slack, float* totals,
+                 float* tops, float* wides, float* lower) {
+  group_wides(xq, M, head, g, C, K / kBlock, slack, wides);
+  const auto tile = [&](auto ask, int64_t m0) {
+    constexpr bool Ask = decltype(ask)::value;
+    switch (std::min<int64_t>(kTile, M - m0)) {
+      case 1: approx_tile<1, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
+      case 2: approx_tile<2, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
+      case 3: approx_tile<3, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
+      default: approx_tile<4, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
+    }
+  };
+  if (M > 0) tile(std::true_type{}, 0);
+  for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
+}
+
+// The first pass over groups [g0, g1), as the AVX2 one below: every row's approximate logits into
+// totals[(g * M + m) * 16 + l], the group's largest into tops[g * M + m], its widest bound into
+// wides[g * M + m], and lower[m] raised to the largest top - wide
+void sweep_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, int64_t g1, int64_t K, float slack,
+                  float* totals, float* tops, float* wides, std::vector<float>& lower) {
+  int64_t g = g0;
+  for (; g + kTileGroups <= g1; g += kTileGroups)
+    sweep_tiles<kTileGroups>(xq, M, head, g, K, slack, totals, tops, wides, lower.data());
+  for (; g < g1; ++g) sweep_tiles<1>(xq, M, head, g, K, slack, totals, tops, wides, lower.data());
+}
+#elif defined(PAGEDSERVE_Q8_ARGMAX)
 
 // R rows of x against group g's 16 outputs (two eight-lane halves), into totals[m * 16 + l]: per four
 // inputs, two loads of codes feed 2 R products of four, each a VPMADDUBSW and a VPMADDWD; R = 4 holds 8
@@ -322,7 +342,6 @@ void approx_tile(const QuantRows& xq, int64_t m0, const Head& head, int64_t g, i
 void sweep_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, int64_t g1, int64_t K, float slack,
                   float* totals, float* tops, float* wides, std::vector<float>& lower) {
   const int64_t blocks = K / kBlock;
-  std::vector<float> widest(2 * blocks);
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t next = g + 1 < g1 ? g + 1 : g;
     const auto tile = [&](auto ask, int64_t m0) {
@@ -339,12 +358,7 @@ void sweep_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, 
     // the first tile of rows asks for the next group (Ask), the others do not
     if (M > 0) tile(std::true_type{}, 0);
     for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* n = head.norms + (g * blocks + b) * kGroup;
-      const float* a = head.absums + (g * blocks + b) * kGroup;
-      widest[b] = *std::max_element(n, n + kGroup);
-      widest[blocks + b] = *std::max_element(a, a + kGroup);
-    }
+    const float* widest = head.widest + g * 2 * blocks;
     for (int64_t m = 0; m < M; ++m) {
       float wide = 0.f;
       for (int64_t b = 0; b < blocks; ++b)
@@ -355,6 +369,9 @@ void sweep_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, 
   }
 }
 
+#endif
+
+#ifdef PAGEDSERVE_Q8_ARGMAX
 // The outputs of groups [g0, g1) whose upper end reaches the row's lower end (found.lower, the largest
 // over the whole layer by now): a group whose top + wide falls short has none, and needs no bounds of
 // its outputs; the others' outputs get their own, and raise the lower end further
@@ -467,11 +484,12 @@ std::string q8_argmax_kind() {
 // x [M, K] float32; packed uint8 [N / 16, K / 4, 16, 4] (codes + 128); codes int8 [N / 16, K, 16] and
 // scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]:
 // |scale| * sum |codes| per block; norms float32 [N / 16, K / 32, 16]: the Euclidean norm of each
-// block's weights, rounded up. Returns the token [M] (int64; -1 for a row with a value that is not
+// block's weights, rounded up; widest float32 [N / 16, 2, K / 32]: per group and block the largest of its
+// 16 norms, then of its absums. Returns the token [M] (int64; -1 for a row with a value that is not
 // finite: the caller computes that row in full), its logit [M] (float32) and how many outputs were
 // computed exactly [M] (int64).
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums, at::Tensor norms) {
+                                  at::Tensor absums, at::Tensor norms, at::Tensor widest) {
   TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q8_argmax: x [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), blocks = K / kBlock;
@@ -488,6 +506,9 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
               "q8_argmax: absums float32 [N / 16, K / 32, 16]");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.sizes() == scales.sizes(),
               "q8_argmax: norms float32 [N / 16, K / 32, 16]");
+  TORCH_CHECK(widest.scalar_type() == at::kFloat && widest.is_contiguous() && widest.dim() == 3 &&
+              widest.size(0) == groups && widest.size(1) == 2 && widest.size(2) == blocks,
+              "q8_argmax: widest float32 [N / 16, 2, K / 32]");
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   auto logits = at::empty({M}, x.options());
   auto counts = at::empty({M}, x.options().dtype(at::kLong));
@@ -499,7 +520,7 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
   std::vector<Found> found(parts, Found{std::vector<float>(M, -std::numeric_limits<float>::infinity()),
                                         std::vector<std::vector<std::pair<int64_t, float>>>(M)});
   const Head head{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), absums.data_ptr<float>(),
-                  norms.data_ptr<float>()};
+                  norms.data_ptr<float>(), widest.data_ptr<float>()};
   // the float roundings' share (see the top): the exact chain's own error is at most K * 2^-24 of
   // sum |w x|, itself at most kLevels * sum_b s_b |w_b| (|x| <= kLevels s in a block), and the first
   // pass's a few 2^-24 a block; twice that, and never under kSlack (0.01 covers SmolLM2's K = 576 twice)

@@ -52,7 +52,8 @@ def test_token_and_logit_are_the_full_products(first_pass, rows):
     head = greedy_head.GreedyHead(first_pass, codes)
     x = _rows(weight.shape[1])[:rows].contiguous()
     logits, best, index = _full(first_pass, codes, x)
-    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
+    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms,
+                                                 head.widest)
     assert torch.equal(tokens, index)
     assert torch.equal(logit.view(torch.int32), best.view(torch.int32))
     assert (counts >= 1).all() and (counts <= weight.shape[0]).all()
@@ -72,7 +73,8 @@ def test_ties_go_to_the_first_index(first_pass):
     x = (weight[5] + 0.01 * torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(3)))[None].contiguous()
     logits, best, index = _full(first_pass, codes, x)
     assert int(index) == 77 and logits[0, 300] == logits[0, 77] == logits[0, 600]
-    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms)
+    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms,
+                                                 head.widest)
     assert int(tokens) == 77 and torch.equal(logit, best) and counts[0] >= 3
 
 
@@ -85,7 +87,7 @@ def test_many_random_rows_against_the_full_product(first_pass):
     x[::7, 5] *= 300.0
     _, best, index = _full(first_pass, codes, x.contiguous())
     tokens, logit, _ = first_pass.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums,
-                                            head.norms)
+                                            head.norms, head.widest)
     assert torch.equal(tokens, index) and torch.equal(logit, best)
 
 
@@ -106,7 +108,7 @@ def test_build_takes_only_a_float32_q8_0_head(first_pass, monkeypatch):
     linear.route_linears(q8, codes=True)
     built = greedy_head.build(q8, first_pass)
     assert built is not None and built.codes is q8.forward.codes   # the route's codes, not found again
-    assert built.nbytes == 640 * 96 + 2 * 640 * 3 * 4
+    assert built.nbytes == 640 * 96 + 2 * 640 * 3 * 4 + 2 * 40 * 3 * 4
     plain = torch.nn.Linear(96, 640, bias=False)          # random floats: no codes
     assert greedy_head.build(plain, first_pass) is None
     assert greedy_head.build(q8.to(torch.bfloat16), first_pass) is None
