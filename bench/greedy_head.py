@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             best, index, _ = kernel.greedy_logsumexp(kernel.coded_linear(x, codes.codes, codes.scales, None))
             t1 = time.perf_counter()
             tokens, logits, counts = kernel.q8_argmax(x, greedy.packed, codes.codes, codes.scales, greedy.absums,
-                                                      greedy.norms, greedy.widest)
+                                                      greedy.norms, greedy.widest, None)
             t2 = time.perf_counter()
             full_times.append(t1 - t0)
             head_times.append(t2 - t1)

@@ -147,7 +147,8 @@ def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) 
         # a module from before the bound's norms takes five arguments, as its doc string shows
         return lambda module: module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums,
                                                *((head.norms,) if "arg5" in module.q8_argmax.__doc__ else ()),
-                                               *((head.widest,) if "arg6" in module.q8_argmax.__doc__ else ()))
+                                               *((head.widest,) if "arg6" in module.q8_argmax.__doc__ else ()),
+                                               *((None,) if "arg7" in module.q8_argmax.__doc__ else ()))
     rows_table("the greedy head (q8_argmax over the Q8_0 output layer), random rows", before, after, rows_list,
                repeats, run_for)
 

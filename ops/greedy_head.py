@@ -6,6 +6,11 @@ pagedserve_kernels/cpu/greedy_head.cpp finds it from an integer first pass with 
 logits of the few outputs that bound leaves in the running: the token, and its logit, have the bits the
 full product gives. Needs AVX512-VNNI or AVX2 (`has_q8_argmax`, `q8_argmax_kind`); elsewhere, and with
 PAGEDSERVE_GREEDY_HEAD=0, every row takes the full logits.
+
+A bfloat16 output layer rounded from such codes takes the same first pass (its bound widened by the
+rounding) where its products are the AVX512-BF16 kernel's (ops/linear.py): the candidates' logits are then
+computed as that kernel computes them and rounded to bfloat16, and the token is the first index of the
+largest of those, as the sampler takes it from the full bfloat16 logits (`has_bf16_argmax`).
 """
 from __future__ import annotations
 
@@ -38,8 +43,9 @@ def _norms_up(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 class GreedyHead:
     """The output layer's codes laid out for the kernel's first pass, beside the codes it recomputes from."""
 
-    def __init__(self, kernel, codes: quantized.Codes):
+    def __init__(self, kernel, codes: quantized.Codes, weight: torch.Tensor | None = None):
         self.kernel, self.codes = kernel, codes
+        self.weight = weight   # bfloat16 [N, K], the codes' rounding: the logits that decide are its (or None)
         self.kind = kernel.q8_argmax_kind()
         self.min_rows = MIN_ROWS[self.kind]   # a step's greedy rows it serves, at least
         groups, k, lanes = codes.codes.shape
@@ -62,10 +68,11 @@ class GreedyHead:
         return self.packed.numel() + (self.absums.numel() + self.norms.numel() + self.widest.numel()) * 4
 
     def tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Per row of float32 hidden [rows, K]: its greedy token (-1 where a value is not finite: that
-        row needs the full logits), and how many logits were computed exactly."""
-        tokens, _, counts = self.kernel.q8_argmax(hidden.contiguous(), self.packed, self.codes.codes,
-                                                  self.codes.scales, self.absums, self.norms, self.widest)
+        """Per row of hidden [rows, K] (the output layer's type): its greedy token (-1 where a value is not
+        finite, or for bfloat16 too small: that row needs the full logits), and how many logits were computed
+        exactly."""
+        tokens, _, counts = self.kernel.q8_argmax(hidden.float().contiguous(), self.packed, self.codes.codes,
+                                                  self.codes.scales, self.absums, self.norms, self.widest, self.weight)
         return tokens.tolist(), counts.tolist()
 
 
@@ -74,13 +81,24 @@ def enabled() -> bool:
 
 
 def build(head: torch.nn.Module, kernel) -> GreedyHead | None:
-    """A GreedyHead for the output layer `head` when its float32 CPU weight is Q8_0 codes and the kernel
-    has the first pass, else None."""
+    """A GreedyHead for the output layer `head` when its CPU weight is Q8_0 codes (float32), or their
+    rounding to bfloat16 with the AVX512-BF16 kernel as its route, and the kernel has the first pass, else
+    None."""
     weight = getattr(head, "weight", None)
     if not enabled() or kernel is None or not kernel.has_q8_argmax() or getattr(head, "bias", None) is not None \
-            or weight is None or weight.dtype != torch.float32:
+            or weight is None or weight.device.type != "cpu":
         return None
     routed = head.__dict__.get("forward")   # ops/linear.py's route keeps the codes it found
+    if weight.dtype == torch.bfloat16:
+        # the exact logits are the AVX512-BF16 kernel's (bf16_linear: `dot` is its layout), whose bits every row
+        # count of the route gives; the codes those of the float32 weight it was rounded from
+        if not getattr(kernel, "has_bf16_argmax", lambda: False)() or getattr(routed, "dot", None) is None:
+            return None
+        codes = routed.plain_codes
+        return GreedyHead(kernel, codes, weight.detach().contiguous()) \
+            if codes is not None and codes.kind == "q8_0" else None
+    if weight.dtype != torch.float32:
+        return None
     codes = getattr(routed, "codes", None)
     if codes is None:
         codes = quantized.find_codes(weight)

@@ -137,6 +137,8 @@ class RoutedLinear:
         else:
             self.codes = codes if weight.dtype == torch.bfloat16 and isinstance(codes, quantized.Codes) \
                 and codes.rounds_to(self.kernel, weight) else None
+        # a bfloat16 weight's codes in their plain layout (ops/greedy_head.py reads them), or None
+        self.plain_codes = self.codes if not wide else None
         # bfloat16 keeps a copy laid out for many rows beside the codes (for the AVX512-BF16 kernel where
         # it is the route, else oneDNN's); float32 codes serve every row count
         many_rows = packed and (self.codes is None or not wide)

@@ -44,13 +44,14 @@ class Served:
 
 def serve(model, prompts: list[list[int]], max_tokens: int, block_size: int, num_blocks: int,
           max_num_seqs: int = 3, budget: int = 16, free_window: bool = True, swap: bool = False,
-          samples: dict[int, int] | None = None, logprobs: int | None = 0) -> Served:
+          samples: dict[int, int] | None = None, logprobs: int | None = 0, dtype: str = "float32") -> Served:
     """Greedy decoding of every prompt (all queued at once, in order) on a pool of `num_blocks`;
     `free_window`: the block manager learns the window from the handshake, as the engine's does;
     `swap`: preempted sequences are swapped to a CPU pool as large as the device pool, not recomputed;
-    `samples`: prompt index -> n greedy parallel samples (forks of the first); `logprobs`: as play's."""
+    `samples`: prompt index -> n greedy parallel samples (forks of the first); `logprobs`: as play's; `dtype`:
+    the serving type (the runner narrows a float32 model to it)."""
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
-                             swap_blocks=num_blocks if swap else 0)
+                             swap_blocks=num_blocks if swap else 0, dtype=dtype)
     runner = ModelRunner(model, config, torch.device("cpu"))
     handshake = runner.handshake()
     window = handshake.sliding_window

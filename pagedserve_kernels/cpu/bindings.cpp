@@ -32,7 +32,9 @@ at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min);
 bool has_q8_argmax();
 std::string q8_argmax_kind();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums, at::Tensor norms, at::Tensor widest);
+                                  at::Tensor absums, at::Tensor norms, at::Tensor widest,
+                                  c10::optional<at::Tensor> weight);
+bool has_bf16_argmax();
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {
@@ -84,6 +86,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_q8_argmax", &has_q8_argmax, "whether this build has q8_argmax (AVX512-VNNI or AVX2)");
   m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
+  m.def("has_bf16_argmax", &has_bf16_argmax, "whether q8_argmax takes a bfloat16 output layer (AVX512-BF16 beside its first pass)");
   // module_local: two builds of these kernels can then be loaded in one process (bench/kernels_ab.py)
   pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a model's decoder layers whose every product reads GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())

@@ -53,6 +53,10 @@
 #elif defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_Q8_ARGMAX 1
 #endif
+// a bfloat16 output layer's exact logits as bf16_linear.cpp computes them (VDPBF16PS)
+#if defined(PAGEDSERVE_Q8_ARGMAX) && defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+#define PAGEDSERVE_BF16_ARGMAX 1
+#endif
 
 namespace {
 
@@ -148,11 +152,29 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
+// The least float that rounds to bfloat16 (to nearest even) at or above lower's own rounding: the midpoint
+// between that bfloat16 value and the one below it. A logit under it rounds below the rounded lower end, so
+// below the largest logit's bfloat16 value: it can neither be the largest nor tie with it.
+inline float bf16_floor(float lower) {
+  if (!std::isfinite(lower)) return lower;
+  const pagedserve::bf16 at = pagedserve::from_float<pagedserve::bf16>(lower);
+  const float rounded = pagedserve::to_float(at);
+  // the next bfloat16 value down: one step less in magnitude above zero, one more at or below it (-0 included)
+  const pagedserve::bf16 below = rounded > 0.f ? static_cast<pagedserve::bf16>(at - 1)
+                                 : at == 0 ? static_cast<pagedserve::bf16>(0x8001) : static_cast<pagedserve::bf16>(at + 1);
+  return 0.5f * (rounded + pagedserve::to_float(below));   // exact: one bit past bfloat16's
+}
+
 // per row of x: the largest lower end seen, and the outputs whose upper end reached the lower end seen
-// so far (a superset of those reaching the final one), in increasing order
+// so far (a superset of those reaching the final one), in increasing order. `rounded`: the logits are
+// rounded to bfloat16, where outputs within the lower end's rounding can tie with the largest: an output is
+// kept while its upper end reaches bf16_floor of the lower end
 struct Found {
   std::vector<float> lower;
   std::vector<std::vector<std::pair<int64_t, float>>> outputs;
+  bool rounded = false;
+
+  float reach(int64_t m) const { return rounded ? bf16_floor(lower[m]) : lower[m]; }
 };
 
 #ifdef PAGEDSERVE_Q8_ARGMAX
@@ -169,8 +191,9 @@ inline void keep_reaching(const float* total, const float* bound, int64_t m, int
     _mm256_store_ps(up + 8 * h, _mm256_add_ps(total8, margin));
     for (float v : low) lower = std::max(lower, v);
   }
+  const float floor = found.reach(m);
   for (int h = 0; h < 2; ++h) {
-    unsigned reach = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(up + 8 * h), _mm256_set1_ps(lower), _CMP_GE_OQ));
+    unsigned reach = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(up + 8 * h), _mm256_set1_ps(floor), _CMP_GE_OQ));
     while (reach) {
       const int l = __builtin_ctz(reach);
       reach &= reach - 1;
@@ -380,7 +403,7 @@ void reaching_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g
   const int64_t blocks = K / kBlock;
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t m = 0; m < M; ++m) {
-      if (tops[g * M + m] + wides[g * M + m] < found.lower[m]) continue;
+      if (tops[g * M + m] + wides[g * M + m] < found.reach(m)) continue;
       alignas(32) float bound[kGroup];
       for (int h = 0; h < 2; ++h) {
         __m256 sum = _mm256_setzero_ps(), cover = _mm256_setzero_ps();
@@ -431,6 +454,7 @@ void approx_all(const QuantRows& xq, int64_t M, const Head& head, int64_t groups
 // in order. A chain is bound by the FMA's latency, so kChains of them run side by side (the padding repeats
 // the last candidate): the FMAs' throughput bounds them instead, and each chain's bits are its own.
 constexpr int kChains = 8;
+constexpr int kBf16Lanes = 16;   // the candidates of a bfloat16 output layer a run (exact_bf16_logits)
 
 struct Candidate {
   int64_t m, n;
@@ -461,10 +485,54 @@ void exact_logits(const float* x, const int8_t* codes, const at::Half* scales, c
   for (int64_t i = 0; i < std::min<int64_t>(count, kChains); ++i) out[i] = acc[i];
 }
 
+#ifdef PAGEDSERVE_BF16_ARGMAX
+// The logits of up to 16 candidates through a bfloat16 output layer w [N, K] as bf16_linear computes them
+// (a call without one_row, as the output layer's): one VDPBF16PS chain over the input pairs front to back,
+// in chunks of onednn_bf16_chunk(K) inputs each from zero, the chunks' sums added front to back, rounded to
+// bfloat16. Candidate i runs in lane i, its weight's and x's pairs gathered, so that each lane's sums are the
+// ones bf16_linear's lane makes for that output: the same bits.
+void exact_bf16_logits(const pagedserve::bf16* x, const pagedserve::bf16* w, const Candidate* c, int64_t count,
+                       int64_t K, float* out) {
+  const int64_t pairs = K / 2, step = pagedserve::onednn_bf16_chunk(K) / 2;
+  alignas(64) int32_t wi[kBf16Lanes], xi[kBf16Lanes];
+  for (int i = 0; i < kBf16Lanes; ++i) {
+    const Candidate& one = c[std::min<int64_t>(i, count - 1)];
+    wi[i] = static_cast<int32_t>(one.n * pairs);
+    xi[i] = static_cast<int32_t>(one.m * pairs);
+  }
+  const __m512i wrow = _mm512_load_si512(wi), xrow = _mm512_load_si512(xi);
+  __m512 acc = _mm512_setzero_ps(), done = _mm512_setzero_ps();
+  bool started = false;
+  for (int64_t j = 0; j < pairs; ++j) {
+    if (j > 0 && j % step == 0) {
+      done = started ? _mm512_add_ps(done, acc) : acc;
+      acc = _mm512_setzero_ps();
+      started = true;
+    }
+    const __m512i at = _mm512_set1_epi32(static_cast<int32_t>(j));
+    const __m512i wv = _mm512_i32gather_epi32(_mm512_add_epi32(wrow, at), w, 4);
+    const __m512i xv = _mm512_i32gather_epi32(_mm512_add_epi32(xrow, at), x, 4);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)wv);
+  }
+  if (started) acc = _mm512_add_ps(done, acc);
+  alignas(64) float sums[kBf16Lanes];
+  _mm512_store_ps(sums, acc);
+  for (int64_t i = 0; i < std::min<int64_t>(count, kBf16Lanes); ++i) out[i] = pagedserve::rounded<pagedserve::bf16>(sums[i]);
+}
+#endif
+
 }  // namespace
 
 bool has_q8_argmax() {
 #ifdef PAGEDSERVE_Q8_ARGMAX
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_bf16_argmax() {
+#ifdef PAGEDSERVE_BF16_ARGMAX
   return true;
 #else
   return false;
@@ -485,11 +553,14 @@ std::string q8_argmax_kind() {
 // scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]:
 // |scale| * sum |codes| per block; norms float32 [N / 16, K / 32, 16]: the Euclidean norm of each
 // block's weights, rounded up; widest float32 [N / 16, 2, K / 32]: per group and block the largest of its
-// 16 norms, then of its absums. Returns the token [M] (int64; -1 for a row with a value that is not
+// 16 norms, then of its absums; weight (or None) bfloat16 [N, K]: for a bfloat16 output layer, each weight
+// the bfloat16 rounding of scale * code, whose logits (bf16_linear's, rounded to bfloat16) decide. Returns
+// the token [M] (int64; -1 for a row with a value that is not
 // finite: the caller computes that row in full), its logit [M] (float32) and how many outputs were
 // computed exactly [M] (int64).
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums, at::Tensor norms, at::Tensor widest) {
+                                  at::Tensor absums, at::Tensor norms, at::Tensor widest,
+                                  c10::optional<at::Tensor> weight) {
   TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q8_argmax: x [M, K] float32");
   const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), blocks = K / kBlock;
@@ -509,22 +580,47 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
   TORCH_CHECK(widest.scalar_type() == at::kFloat && widest.is_contiguous() && widest.dim() == 3 &&
               widest.size(0) == groups && widest.size(1) == 2 && widest.size(2) == blocks,
               "q8_argmax: widest float32 [N / 16, 2, K / 32]");
+  // a bfloat16 output layer: its weight, each the bfloat16 rounding of scale * code
+  const bool rounded = weight.has_value();
+  TORCH_CHECK(!rounded || has_bf16_argmax(), "q8_argmax: this build has no AVX512-BF16 for a bfloat16 output layer");
+  TORCH_CHECK(!rounded || (weight->scalar_type() == at::kBFloat16 && weight->is_contiguous() && weight->dim() == 2 &&
+                           weight->size(0) == groups * kGroup && weight->size(1) == K && K % 2 == 0),
+              "q8_argmax: weight bfloat16 [N, K], the codes' rounding");
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   auto logits = at::empty({M}, x.options());
   auto counts = at::empty({M}, x.options().dtype(at::kLong));
 #ifdef PAGEDSERVE_Q8_ARGMAX
   const float* xp = x.data_ptr<float>();
-  const QuantRows xq = quantize(xp, M, K);
+  QuantRows xq = quantize(xp, M, K);
   // each thread a contiguous range of groups, its own list per row
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
   std::vector<Found> found(parts, Found{std::vector<float>(M, -std::numeric_limits<float>::infinity()),
-                                        std::vector<std::vector<std::pair<int64_t, float>>>(M)});
+                                        std::vector<std::vector<std::pair<int64_t, float>>>(M), rounded});
   const Head head{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), absums.data_ptr<float>(),
                   norms.data_ptr<float>(), widest.data_ptr<float>()};
   // the float roundings' share (see the top): the exact chain's own error is at most K * 2^-24 of
   // sum |w x|, itself at most kLevels * sum_b s_b |w_b| (|x| <= kLevels s in a block), and the first
   // pass's a few 2^-24 a block; twice that, and never under kSlack (0.01 covers SmolLM2's K = 576 twice)
-  const float slack = std::max(kSlack, 2.f * static_cast<float>(K + blocks) * std::ldexp(1.f, -24) * kLevels);
+  float slack = std::max(kSlack, 2.f * static_cast<float>(K + blocks) * std::ldexp(1.f, -24) * kLevels);
+#ifdef PAGEDSERVE_BF16_ARGMAX
+  std::vector<pagedserve::bf16> xb;
+  if (rounded) {
+    // the bfloat16 weight w = scale * code + r with |r| <= 2^-8 |scale * code| (one rounding to 8 significant
+    // bits), so sum r x is at most 2^-8 sum_b |scale_b| sum |codes| max |x_b| <= 2^-8 kLevels sum_b absum_b s_b:
+    // the cover's share grows by 2^-8 kLevels
+    slack += std::ldexp(static_cast<float>(kLevels), -8);
+    // VDPBF16PS takes subnormal inputs as zeros and flushes subnormal sums: a row with a value under 2^-64 (the
+    // products of such values with the layer's weights, at least 2^-24, could reach that range) takes the full
+    // logits, as a row that is not finite
+    xb.resize(M * K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = xp[m * K + k];
+        if (v != 0.f && std::fabs(v) < std::ldexp(1.f, -64)) xq.finite[m] = 0;
+        xb[m * K + k] = pagedserve::from_float<pagedserve::bf16>(v);
+      }
+  }
+#endif
   approx_all(xq, M, head, groups, K, slack, parts, found);
   int64_t* tp = tokens.data_ptr<int64_t>();
   float* lp = logits.data_ptr<float>();
@@ -537,18 +633,28 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
     if (!xq.finite[m]) continue;
     float lower = -std::numeric_limits<float>::infinity();
     for (const Found& f : found) lower = std::max(lower, f.lower[m]);
+    const float floor = rounded ? bf16_floor(lower) : lower;
     for (const Found& f : found)
       for (const auto& [n, upper] : f.outputs[m])
-        if (upper >= lower) left.push_back({m, n});
+        if (upper >= floor) left.push_back({m, n});
   }
   first[M] = static_cast<int64_t>(left.size());
-  // computed in runs of kChains across rows: a row's share of candidates varies by thousands
+  // computed in runs of kChains (or kBf16Lanes) across rows: a row's share of candidates varies by thousands
   std::vector<float> exact(left.size());
-  const int64_t runs = (first[M] + kChains - 1) / kChains;
+  const int64_t run = rounded ? kBf16Lanes : kChains, runs = (first[M] + run - 1) / run;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      exact_logits(xp, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), left.data() + r * kChains,
-                   std::min<int64_t>(kChains, first[M] - r * kChains), K, exact.data() + r * kChains);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t count = std::min<int64_t>(run, first[M] - r * run);
+#ifdef PAGEDSERVE_BF16_ARGMAX
+      if (rounded) {
+        exact_bf16_logits(xb.data(), reinterpret_cast<const pagedserve::bf16*>(weight->data_ptr<at::BFloat16>()),
+                          left.data() + r * run, count, K, exact.data() + r * run);
+        continue;
+      }
+#endif
+      exact_logits(xp, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), left.data() + r * run, count, K,
+                   exact.data() + r * run);
+    }
   });
   for (int64_t m = 0; m < M; ++m) {
     tp[m] = -1, lp[m] = std::numeric_limits<float>::quiet_NaN(), cp[m] = first[m + 1] - first[m];

@@ -5,6 +5,7 @@ through transformers' own forward; with the greedy head (ops/greedy_head.py: gre
 log-prob never compute the Q8_0 output layer in full) and without it."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from data_plane import attention
 from ops import cpu_kernels
 from ops import greedy_head as greedy_head_module
+from ops import linear as linear_ops
 from tests.architectures import SUPPORTED, build
 from tests.helpers import gguf_form_model
 from tests.serve_driver import assert_same, hf_reference, serve
@@ -97,3 +99,32 @@ def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
     served = serve(model, prompts, 6, block_size=4, num_blocks=64, max_num_seqs=10, logprobs=None)
     assert argmax_rows and min(argmax_rows) >= greedy_head_module.MIN_ROWS[kernel.q8_argmax_kind()], argmax_rows
     assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
+
+
+def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
+    """Served in bfloat16 (its output layer the Q8_0 codes' rounding), greedy rows asking for no log-prob take
+    the greedy head where the AVX512-BF16 kernel is the products' route, and get the tokens of the full
+    bfloat16 logits, which they get with the greedy head off."""
+    kernel = cpu_kernels.load()
+    assert kernel is not None, cpu_kernels.failure()
+    if not (kernel.has_q8_argmax() and kernel.has_bf16_argmax() and linear_ops.bf16_dot_kernel(kernel)):
+        pytest.skip("no AVX512-BF16 products with the greedy head's first pass on this CPU")
+    monkeypatch.setitem(greedy_head_module.MIN_ROWS, kernel.q8_argmax_kind(), 1)   # this pool's steps have 1-3 rows
+    model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
+    model.set_attn_implementation(attention.register())
+    calls, real_argmax = [], kernel.q8_argmax
+
+    def spy_argmax(x, *rest):
+        calls.append((x.shape[0], rest[-1] is not None))
+        return real_argmax(x, *rest)
+    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
+    served = {}
+    for on in (True, False):
+        calls.clear()
+        monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if on else "0")
+        served[on] = serve(copy.deepcopy(model), PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS,
+                           logprobs=None, dtype="bfloat16")
+        assert bool(calls) == on and all(bf16 for _, bf16 in calls), calls   # the bfloat16 layer's
+    assert served[True].preemptions > 0
+    assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in served[False].outputs]
+    assert all(math.isnan(v) for _, logprobs in served[True].outputs for v in logprobs)

@@ -53,7 +53,7 @@ def test_token_and_logit_are_the_full_products(first_pass, rows):
     x = _rows(weight.shape[1])[:rows].contiguous()
     logits, best, index = _full(first_pass, codes, x)
     tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms,
-                                                 head.widest)
+                                                 head.widest, None)
     assert torch.equal(tokens, index)
     assert torch.equal(logit.view(torch.int32), best.view(torch.int32))
     assert (counts >= 1).all() and (counts <= weight.shape[0]).all()
@@ -74,7 +74,7 @@ def test_ties_go_to_the_first_index(first_pass):
     logits, best, index = _full(first_pass, codes, x)
     assert int(index) == 77 and logits[0, 300] == logits[0, 77] == logits[0, 600]
     tokens, logit, counts = first_pass.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, head.norms,
-                                                 head.widest)
+                                                 head.widest, None)
     assert int(tokens) == 77 and torch.equal(logit, best) and counts[0] >= 3
 
 
@@ -87,7 +87,7 @@ def test_many_random_rows_against_the_full_product(first_pass):
     x[::7, 5] *= 300.0
     _, best, index = _full(first_pass, codes, x.contiguous())
     tokens, logit, _ = first_pass.q8_argmax(x.contiguous(), head.packed, codes.codes, codes.scales, head.absums,
-                                            head.norms, head.widest)
+                                            head.norms, head.widest, None)
     assert torch.equal(tokens, index) and torch.equal(logit, best)
 
 
@@ -129,3 +129,90 @@ def test_norms_are_the_blocks_norms_rounded_up():
     assert (norms.double() >= exact).all()
     below = torch.nextafter(norms, torch.tensor(float("-inf")))
     assert (below.double() < exact).all()
+
+
+@pytest.fixture
+def bf16_pass(first_pass):
+    """The kernel module, where its first pass also takes a bfloat16 output layer (AVX512-BF16 in the build)."""
+    if not first_pass.has_bf16_argmax():
+        flags = cpu_flags()
+        assert "avx512_bf16" not in flags or "avx512_vnni" not in flags, \
+            "the CPU has AVX512-BF16 and AVX512-VNNI but the build cannot take a bfloat16 output layer"
+        pytest.skip("no AVX512-BF16 beside the first pass on this CPU")
+    return first_pass
+
+
+def _bf16_head(kernel, weight):
+    """A bfloat16 output layer rounded from the float32 Q8_0 `weight`, routed as the runner routes it (the
+    AVX512-BF16 kernel for many rows), and its greedy head."""
+    wide = quantized.find_codes(weight)
+    narrow = weight.to(torch.bfloat16)
+    routed = linear.RoutedLinear(narrow, None, kernel, True, codes=wide)
+    assert routed.dot is not None and routed.plain_codes is wide and wide.rounds_to(kernel, narrow)
+    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(torch.bfloat16)
+    module.weight.data = narrow
+    module.forward = routed
+    head = greedy_head.build(module, kernel)
+    assert head is not None and head.weight is not None
+    return routed, head
+
+
+def _bf16_full(kernel, routed, x):
+    """The full bfloat16 logits (the route's, as the sampler gets them) and their first argmax."""
+    logits = routed(x)
+    best, index, _ = kernel.greedy_logsumexp(logits)
+    assert torch.equal(index, logits.float().argmax(-1))   # the first of equal largest values
+    return logits, index
+
+
+@pytest.mark.parametrize("rows", [5, 24])
+def test_bfloat16_token_is_the_full_products(bf16_pass, rows):
+    # K = 576 as SmolLM2's: the AVX512-BF16 kernel sums it in two chunks (512 inputs, then 64)
+    weight = q8_0_form(torch.randn(640, 576, generator=torch.Generator().manual_seed(7)) * 0.05)
+    routed, head = _bf16_head(bf16_pass, weight)
+    x = _rows(576, seed=8)[:rows].to(torch.bfloat16)
+    x[4 % rows] = torch.randn(576, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)   # no subnormals
+    _, index = _bf16_full(bf16_pass, routed, x)
+    tokens, counts = head.tokens(x)
+    assert tokens == index.tolist()
+    assert min(counts) >= 1 and counts[0] < weight.shape[0] // 4, counts
+
+
+def test_bfloat16_ties_of_rounded_logits_go_to_the_first_index(bf16_pass):
+    """Logits a float32 step apart round to one bfloat16 value: the first index of the tie is the token, also
+    where a later one's float32 sum is larger. Outputs that are one row's weights with a code or two nudged
+    make such near ties on every row."""
+    g = torch.Generator().manual_seed(10)
+    base = q8_0_form(torch.randn(40, 576, generator=g) * 0.05)
+    weight = base.repeat(16, 1)
+    nudge = torch.randint(0, 576, (640,), generator=g)
+    scale = weight.abs().view(640, 18, 32).amax(-1) / 127
+    weight[torch.arange(640), nudge] += scale[torch.arange(640), nudge // 32].half().float()
+    weight = q8_0_form(weight)
+    routed, head = _bf16_head(bf16_pass, weight)
+    x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
+    logits, index = _bf16_full(bf16_pass, routed, x)
+    ties = (logits == logits.max(-1, keepdim=True).values).sum(-1)
+    assert (ties > 1).sum() >= 8, ties      # the case is really there
+    tokens, _ = head.tokens(x)
+    assert tokens == index.tolist()
+
+
+def test_bfloat16_many_rows_at_every_scale(bf16_pass):
+    weight = q8_0_form(torch.randn(1024, 576, generator=torch.Generator().manual_seed(11)) * 0.05)
+    routed, head = _bf16_head(bf16_pass, weight)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(120, 576, generator=g) * torch.logspace(-6, 4, 120)[:, None]
+    x[::7, 5] *= 300.0
+    x = x.to(torch.bfloat16)
+    _, index = _bf16_full(bf16_pass, routed, x)
+    assert head.tokens(x)[0] == index.tolist()
+
+
+def test_bfloat16_rows_with_subnormal_values_take_the_full_logits(bf16_pass):
+    weight = q8_0_form(torch.randn(640, 576, generator=torch.Generator().manual_seed(13)) * 0.05)
+    _, head = _bf16_head(bf16_pass, weight)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    x[1, 9] = 1e-30   # VDPBF16PS would flush its products' sums near there
+    tokens, counts = head.tokens(x)
+    assert tokens[1] == -1 and counts[1] == 0 and tokens[0] >= 0 and tokens[2] >= 0
