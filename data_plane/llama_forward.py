@@ -203,7 +203,8 @@ class LlamaForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The last norm [tokens, hidden] of a step's tokens, or of ctx.keep_rows' only where it is set (the
-        layers in one call then leave the others' last layer after its attention: their KV is written)."""
+        others' last layer then stops after its attention, their KV written, where its products give a row the
+        same bits in a call of fewer rows: RoutedLinear.rows_apart, always so in the layers' one call)."""
         m, ops, kernel = self.model, self.ops, self.kernel
         residual = m.embed_tokens(input_ids)                                 # [tokens, hidden], a new tensor
         cos, sin = self.rotary.cos_sin(residual, positions)
@@ -233,6 +234,18 @@ class LlamaForward:
                                     rows.qrows if self.mkl_order else None)
             else:
                 out = self._attention(layer, qkv, cos, sin, k_cache, v_cache, ctx)
+            if keep is not None and index == len(self.layers) - 1 and \
+                    all(lin.rows_apart for lin in (layer.o, layer.gate_up, layer.down)):
+                # past the last attention only the kept rows are read, and these products give them the same
+                # bits in a call of fewer rows (a step that samples nothing reads none)
+                if keep.shape[0] == 0:
+                    return residual.new_empty((0, residual.shape[1]))
+                kept = residual.index_select(0, keep)
+                ones = one_row.index_select(0, keep) if one_row is not None else None
+                _, o_of, gate_up_of, down_of = self._routes(keep.shape[0])[index]
+                x = ops.add_rms_norm(kept, o_of(out.view(tokens, layer.q_size).index_select(0, keep), ones),
+                                     *self.post_norms[index])
+                return ops.add_rms_norm(kept, down_of(ops.silu_mul(gate_up_of(x, ones)), ones), *self.norms[index + 1])
             x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size), one_row), *self.post_norms[index])
             x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x, one_row)), one_row),
                                  *self.norms[index + 1])

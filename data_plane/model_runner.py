@@ -80,6 +80,8 @@ class ModelRunner:
         and its linear routes, the decode graphs."""
         self.device = device
         self.sample = sample   # (logits, SampleRows) -> draws per row: sampler.sample, or a tensor-parallel rank's
+        # a step's rows that sample nothing may skip the last layer past its attention (the forward's keep_rows)
+        self.skip_unsampled = True
         wide_codes = self._load(model, config)
         capture, graph_buckets = self._allocate_pool(config)
         self.seqs: dict[int, SeqState] = {}
@@ -98,7 +100,7 @@ class ModelRunner:
             if linear_ops.warm_up(linear_ops.routed_in(self.model) + (self.lean.linears() if self.lean else [])):
                 log.info("oneDNN's bfloat16 GEMM kernels made for steps of 1-%d rows in %.1f s", linear_ops.WARM_ROWS,
                          time.perf_counter() - started)
-        # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): float32 CPU, one rank
+        # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): CPU, one rank
         self.greedy_head = greedy_head.build(self.final_logits, cpu_kernels.load()) \
             if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
         if self.greedy_head is not None:
@@ -444,7 +446,7 @@ class ModelRunner:
         slices = prompt_logprobs.plan_slices(scheduled, self.seqs)   # before num_computed_tokens advances
         rows = torch.tensor([r for _, r in sample_rows], dtype=torch.long, device=self.device)
         # prompt tokens nobody reads the logits of: the forward may leave their last layer after its attention
-        if not slices and len(sample_rows) < ids.shape[1]:
+        if self.skip_unsampled and not slices and len(sample_rows) < ids.shape[1]:
             ctx.keep_rows = rows
         hidden = self._forward(ids, pos, ctx)
         prompt_scores = prompt_logprobs.compute(hidden, slices, self.final_logits, self.vocab_size) if slices else []

@@ -156,6 +156,16 @@ class RoutedLinear:
         self._by_rows: dict[int, object] = {}
 
     @property
+    def rows_apart(self) -> bool:
+        """Whether a row's output has the same bits at every row count of a call, so that a call may leave
+        rows out: the kernels' routes, each summing a row on its own in one order (float32 codes at every
+        count; bfloat16's AVX512-BF16 kernel and its codes, both in oneDNN's order; the kernels in the order of
+        torch's own GEMM). Not the few-row kernel against MKL's or oneDNN's GEMM above it."""
+        if self.weight.dtype == torch.float32:
+            return self.codes is not None
+        return self.weight.dtype == torch.bfloat16 and (self.dots or self.dot is not None)
+
+    @property
     def routed(self) -> bool:
         few_rows = self.kernel is not None and self.weight.dtype == torch.float32   # the few-row kernel
         return self.codes is not None or self.packed is not None or self.dot is not None or self.dots or few_rows

@@ -91,7 +91,8 @@ at::Tensor CodedLayers::forward(at::Tensor residual, at::Tensor x, at::Tensor co
                  lanes, qrows);
     if (keep && i + 1 == layers_.size()) {
       // past the last attention only the kept rows' states are read: each product's row is its own FMA chains,
-      // so the rows left out change no bit of the others
+      // so the rows left out change no bit of the others (a step that samples nothing reads none)
+      if (keep->numel() == 0) return at::empty({0, residual.size(1)}, residual.options());
       at::Tensor kept = residual.index_select(0, *keep);
       c10::optional<at::Tensor> ones = one_row ? c10::optional<at::Tensor>(one_row->index_select(0, *keep)) : c10::nullopt;
       const auto kept_product = [&](int p, const at::Tensor& in) { return apply(layer.products[p], in, ones); };
