@@ -228,8 +228,8 @@ void group_wides(const QuantRows& xq, int64_t M, const Head& head, int64_t g, in
 // R rows of x against C groups of 16 outputs from g: each weight load feeds R products and each broadcast
 // of x C of them (one load per product held VPDPBUSD to about a third of its rate). Each (row, group)'s 16
 // approximate logits go to totals[((g + c) * M + m) * 16], their largest to tops[(g + c) * M + m], and the
-// row's lower end rises to that less the group's widest bound: no output's own bound here, which cost a
-// third as much again as the products (the second sweep bounds the few groups that can still hold the top).
+// row's lower end rises to that less the group's widest bound: no output's own bound here, 36 FMAs beside
+// the 144 VPDPBUSD of a row and group (the second sweep bounds the few groups that can still hold the top).
 template <int R, int C, bool Ask>
 void approx_tile(const QuantRows& xq, int64_t M, int64_t m0, const Head& head, int64_t g, int64_t K, float* totals,
                  float* tops, const float* wides, float* lower) {
@@ -586,6 +586,9 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
   TORCH_CHECK(!rounded || (weight->scalar_type() == at::kBFloat16 && weight->is_contiguous() && weight->dim() == 2 &&
                            weight->size(0) == groups * kGroup && weight->size(1) == K && K % 2 == 0),
               "q8_argmax: weight bfloat16 [N, K], the codes' rounding");
+  // (exact_bf16_logits gathers a candidate's pairs by 32-bit indices)
+  TORCH_CHECK(!rounded || std::max(groups * kGroup, M) * (K / 2) <= std::numeric_limits<int32_t>::max(),
+              "q8_argmax: a bfloat16 output layer or x of more than 2^31 input pairs");
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   auto logits = at::empty({M}, x.options());
   auto counts = at::empty({M}, x.options().dtype(at::kLong));

@@ -250,18 +250,26 @@ def _coded_runner(seed: int, dtype: str):
     return ModelRunner(model, config, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 in torch's own order"])
-def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
-    # a model whose every product reads codes runs its layers in one call to the kernel module (CodedLayers):
-    # the same kernels in the same order as the Python loop, so every logit the same bits. float32 at every
-    # row count; bfloat16 up to the rows its products read codes. The third case takes the routes of a CPU
-    # with AVX2 alone (bf16_dots_codes_linear) on any CPU, as if oneDNN had no bfloat16 GEMM for it
+def _kernel_for(dtype: str, monkeypatch):
+    """The CPU kernels (the test fails without them); "bfloat16 in torch's own order" takes the routes of a CPU
+    with AVX2 alone on any CPU, as if oneDNN had no bfloat16 GEMM for it."""
     from ops import cpu_kernels
     kernel = cpu_kernels.load()
     if kernel is None:
         pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
     if dtype.startswith("bfloat16 "):
         monkeypatch.setattr(linear_ops, "has_packed_bf16_gemm", lambda: False)
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16 in torch's own order"])
+def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
+    # a model whose every product reads codes runs its layers in one call to the kernel module (CodedLayers):
+    # the same kernels in the same order as the Python loop, so every logit the same bits. float32 at every
+    # row count; bfloat16 up to the rows its products read codes. The third case takes the routes of a CPU
+    # with AVX2 alone (bf16_dots_codes_linear) on any CPU, as if oneDNN had no bfloat16 GEMM for it
+    kernel = _kernel_for(dtype, monkeypatch)
+    if dtype.startswith("bfloat16 "):
         assert linear_ops.bf16_dots_kernel(kernel) == kernel.vectorized()
         dtype = "bfloat16"
     prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12], [8], [41, 2, 60, 7]]
@@ -310,12 +318,7 @@ def test_prompt_rows_that_sample_nothing_skip_the_last_layer_with_the_same_bits(
     # a prompt step's rows that sample nothing stop after the last layer's attention (their KV written) where
     # its products give a row the same bits in a call of fewer rows; the sampled rows' tokens, log-probs and
     # the pool are those of the step that computes every row to the end
-    from ops import cpu_kernels
-    kernel = cpu_kernels.load()
-    if kernel is None:
-        pytest.fail(f"the CPU kernels did not build: {cpu_kernels.failure()}")
-    if dtype.startswith("bfloat16 "):
-        monkeypatch.setattr(linear_ops, "has_packed_bf16_gemm", lambda: False)
+    kernel = _kernel_for(dtype, monkeypatch)
     kind = dtype.split()[0]
     prompts = [[5, 9, 23, 7, 81, 6, 44, 3, 17, 99, 12, 30, 31], [8], [41, 2, 60, 7]]
     skipping, full = _coded_runner(6, kind), _coded_runner(6, kind)
