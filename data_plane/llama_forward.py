@@ -164,6 +164,9 @@ class LlamaForward:
         self._route_cache: dict[int, list[tuple]] = {}
         self._pool, self._pool_views = None, []
         self.coded_layers, self.coded_rows = self._coded_layers()
+        # whether the last layer's products past its attention may leave rows out (__call__'s keep_rows)
+        last = self.layers[-1]
+        self._last_rows_apart = all(lin.rows_apart for lin in (last.o, last.gate_up, last.down))
         self.rotary = _Rotary(self.model.rotary_emb, getattr(model.config, "max_position_embeddings", 0) or 0,
                               weight.dtype)
 
@@ -215,7 +218,7 @@ class LlamaForward:
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
         x = ops.add_rms_norm(residual, None, *self.norms[0])
-        keep = getattr(ctx, "keep_rows", None)
+        keep = ctx.keep_rows
         if fused and self.coded_layers is not None and tokens <= self.coded_rows:
             return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
                                              rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None, one_row,
@@ -234,19 +237,17 @@ class LlamaForward:
                                     rows.qrows if self.mkl_order else None)
             else:
                 out = self._attention(layer, qkv, cos, sin, k_cache, v_cache, ctx)
-            if keep is not None and index == len(self.layers) - 1 and \
-                    all(lin.rows_apart for lin in (layer.o, layer.gate_up, layer.down)):
+            out = out.view(tokens, layer.q_size)
+            if keep is not None and index == len(self.layers) - 1 and self._last_rows_apart:
                 # past the last attention only the kept rows are read, and these products give them the same
                 # bits in a call of fewer rows (a step that samples nothing reads none)
                 if keep.shape[0] == 0:
                     return residual.new_empty((0, residual.shape[1]))
-                kept = residual.index_select(0, keep)
-                ones = one_row.index_select(0, keep) if one_row is not None else None
+                residual, out = residual.index_select(0, keep), out.index_select(0, keep)
+                one_row = one_row.index_select(0, keep) if one_row is not None else None
                 _, o_of, gate_up_of, down_of = self._routes(keep.shape[0])[index]
-                x = ops.add_rms_norm(kept, o_of(out.view(tokens, layer.q_size).index_select(0, keep), ones),
-                                     *self.post_norms[index])
-                return ops.add_rms_norm(kept, down_of(ops.silu_mul(gate_up_of(x, ones)), ones), *self.norms[index + 1])
-            x = ops.add_rms_norm(residual, o_of(out.view(tokens, layer.q_size), one_row), *self.post_norms[index])
+                keep = None   # (the rows are the kept ones from here)
+            x = ops.add_rms_norm(residual, o_of(out, one_row), *self.post_norms[index])
             x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x, one_row)), one_row),
                                  *self.norms[index + 1])
         return x if keep is None else x.index_select(0, keep)

@@ -92,7 +92,7 @@ def build(head: torch.nn.Module, kernel) -> GreedyHead | None:
     if weight.dtype == torch.bfloat16:
         # the exact logits are the AVX512-BF16 kernel's (bf16_linear: `dot` is its layout), whose bits every row
         # count of the route gives; the codes those of the float32 weight it was rounded from
-        if not getattr(kernel, "has_bf16_argmax", lambda: False)() or getattr(routed, "dot", None) is None:
+        if not kernel.has_bf16_argmax() or getattr(routed, "dot", None) is None:
             return None
         codes = routed.plain_codes
         return GreedyHead(kernel, codes, weight.detach().contiguous()) \

@@ -89,18 +89,16 @@ at::Tensor CodedLayers::forward(at::Tensor residual, at::Tensor x, at::Tensor co
     at::Tensor out = at::empty_like(q);
     paged_decode(out, q, k_cache, v_cache, tables, lens, tokens, scaling_, 0, 0.0, c10::nullopt, c10::nullopt, 0, ends,
                  lanes, qrows);
+    at::Tensor attended = out.view({rows, heads_ * head_dim_});
     if (keep && i + 1 == layers_.size()) {
       // past the last attention only the kept rows' states are read: each product's row is its own FMA chains,
       // so the rows left out change no bit of the others (a step that samples nothing reads none)
       if (keep->numel() == 0) return at::empty({0, residual.size(1)}, residual.options());
-      at::Tensor kept = residual.index_select(0, *keep);
-      c10::optional<at::Tensor> ones = one_row ? c10::optional<at::Tensor>(one_row->index_select(0, *keep)) : c10::nullopt;
-      const auto kept_product = [&](int p, const at::Tensor& in) { return apply(layer.products[p], in, ones); };
-      x = add_rms_norm(kept, kept_product(1, out.view({rows, heads_ * head_dim_}).index_select(0, *keep)),
-                       layer.post_norm, post_eps_[i]);
-      return add_rms_norm(kept, kept_product(3, silu_mul(kept_product(2, x))), layer.next_norm, next_eps_[i]);
+      residual = residual.index_select(0, *keep);
+      attended = attended.index_select(0, *keep);
+      if (one_row) one_row = one_row->index_select(0, *keep);
     }
-    x = add_rms_norm(residual, product(1, out.view({rows, heads_ * head_dim_})), layer.post_norm, post_eps_[i]);
+    x = add_rms_norm(residual, product(1, attended), layer.post_norm, post_eps_[i]);
     x = add_rms_norm(residual, product(3, silu_mul(product(2, x))), layer.next_norm, next_eps_[i]);
   }
   return x;
