@@ -173,8 +173,9 @@ class LlamaForward:
     def _coded_layers(self):
         """The kernel's CodedLayers (pagedserve_kernels/cpu/coded_layers.cpp), which runs every layer in one
         call with the kernels this loop calls one by one, where every product reads GGUF codes (a float32
-        model's at every row count, a bfloat16 model's up to a few rows) and the norms, rotary and attention
-        are the kernel's; with the most rows it takes. (None, 0) where there is none."""
+        model's at every row count, a bfloat16 model's up to a few rows, and above those its bfloat16 kernel
+        where that is each product's route: RoutedLinear.wide_route) and the norms, rotary and attention are
+        the kernel's; with the most rows it takes. (None, 0) where there is none."""
         if not self.fused_attention or not hasattr(self.kernel, "CodedLayers"):
             return None, 0
         shape = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in self.layers}
@@ -182,23 +183,32 @@ class LlamaForward:
             return None, 0
         # every product's codes route of one row; a product reads its codes (always with the same kernel
         # and tensors) from one row up to some count, so the loop serves the counts where all of them do
-        routes = [lin.codes_route(1) for lin in self.linears()]
+        linears = self.linears()
+        routes = [lin.codes_route(1) for lin in linears]
         if any(route is None for route in routes):
             return None, 0
-        rows = 1
-        while rows < self._route_cap and all(lin.codes_route(rows + 1) is not None for lin in self.linears()):
-            rows += 1
+        codes_rows = []
+        for lin in linears:
+            rows = 1
+            while rows < self._route_cap and lin.codes_route(rows + 1) is not None:
+                rows += 1
+            # (the routes of every count from the cap on are the cap's)
+            codes_rows.append(sys.maxsize if rows == self._route_cap else rows)
+        wides = [lin.wide_route() if rows < sys.maxsize else None for lin, rows in zip(linears, codes_rows)]
         none = torch.empty(0)
         tensors, kinds = [], []
         for index, layer in enumerate(self.layers):
-            for name, parts in routes[4 * index:4 * index + 4]:
+            for (name, parts), rows, wide in zip(routes[4 * index:4 * index + 4], codes_rows[4 * index:4 * index + 4],
+                                                 wides[4 * index:4 * index + 4]):
                 tensors += [part if part is not None else none for part in parts] + [none] * (3 - len(parts))
-                kinds.append(linear_ops.CODES_KERNELS.index(name))
+                tensors.append(wide[1] if wide is not None else none)
+                kinds += [linear_ops.CODES_KERNELS.index(name), rows,
+                          linear_ops.WIDE_KERNELS.index(wide[0]) + 1 if wide is not None else 0]
             tensors += [self.post_norms[index][0], self.norms[index + 1][0]]
         layers = self.kernel.CodedLayers(tensors, kinds, [eps for _, eps in self.post_norms],
                                          [eps for _, eps in self.norms[1:]], *shape.pop())
-        # (the routes of every count from the cap on are the cap's)
-        return layers, sys.maxsize if rows == self._route_cap else rows
+        served = min(sys.maxsize if wide is not None else rows for rows, wide in zip(codes_rows, wides))
+        return layers, served
 
     def linears(self) -> list[linear_ops.RoutedLinear]:
         """Every layer's routed products (the output layer is not among them)."""

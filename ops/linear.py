@@ -62,6 +62,9 @@ DOTS_CODES_MAX_ROWS = 5
 # the kernels that read codes (RoutedLinear.codes_route names them), numbered as CodedLayers
 # (pagedserve_kernels/cpu/coded_layers.h) takes them
 CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")
+# the bfloat16 kernels of more rows than the codes serve (RoutedLinear.wide_route names them), numbered from 1 as
+# CodedLayers takes them
+WIDE_KERNELS = ("bf16_linear", "bf16_dots_linear")
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 # oneDNN generates its GEMM's code the first time it meets a row count (its cache then keeps it): a few
 # milliseconds a weight shape, which a decode step pays once for each new batch size. warm_up has that done
@@ -212,6 +215,16 @@ class RoutedLinear:
             packed = self.packed
             return lambda x, one_row=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
         return lambda x, one_row=None: F.linear(x, weight, bias)
+
+    def wide_route(self) -> tuple[str, torch.Tensor] | None:
+        """Where a bfloat16 weight's call of more rows than its codes serve goes to one of the kernel's own
+        products (one of WIDE_KERNELS, and the weight tensor it takes after x), as route() takes it; else None
+        (oneDNN's GEMM, or a float32 weight). The layers in one call (llama_forward.py) take the same."""
+        if self.weight.dtype != torch.bfloat16 or self.kernel is None:
+            return None
+        if self.dots:
+            return "bf16_dots_linear", self.weight
+        return ("bf16_linear", self.dot) if self.dot is not None else None
 
     def codes_route(self, rows: int) -> tuple[str, tuple] | None:
         """Where a call of `rows` rows reads the weight's codes: (the kernel function's name, one of

@@ -88,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_argmax", &q8_argmax, "per float32 row of x: the first index of the largest logit through a Q8_0 output layer, its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
   m.def("has_bf16_argmax", &has_bf16_argmax, "whether q8_argmax takes a bfloat16 output layer (AVX512-BF16 beside its first pass)");
   // module_local: two builds of these kernels can then be loaded in one process (bench/kernels_ab.py)
-  pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a model's decoder layers whose every product reads GGUF codes, run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
+  pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a model's decoder layers whose products read GGUF codes (bfloat16 weights above the rows those serve), run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())
       .def("set_caches", &CodedLayers::set_caches, "per layer its K and V cache")
       .def("forward", &CodedLayers::forward, "the layers over residual (in place) from its first norm x; returns the last norm (of the rows in keep, when given)",

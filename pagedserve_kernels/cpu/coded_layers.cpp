@@ -1,5 +1,6 @@
 // The decoder layers of a Llama-style model whose every product reads GGUF codes, in one call per step: a
-// float32 model's at every row count, a bfloat16 model's for the few rows its products read codes.
+// float32 model's at every row count; a bfloat16 model's for the few rows its products read codes, and above
+// those where each product's route for more rows is one of this module's bfloat16 kernels.
 // data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten calls a
 // layer; for one stream, those calls' own cost (Python, pybind11, building the arguments) is a visible
 // share of a token's time next to the kernels, and a loop here skips it. Same kernels, same arguments,
@@ -13,6 +14,8 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
 at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                               c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min);
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
+at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
 at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
                         at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
@@ -25,9 +28,9 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
 
 namespace {
 
-// the tensors of one layer in the order CodedLayers takes them: three for each of four products, then the
+// the tensors of one layer in the order CodedLayers takes them: four for each of four products, then the
 // weight of the norm after attention and of the next norm
-constexpr size_t kPerLayer = 14;
+constexpr size_t kPerLayer = 18;
 
 c10::optional<at::Tensor> present(const at::Tensor& t) {
   return t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
@@ -41,18 +44,22 @@ CodedLayers::CodedLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> k
     : post_eps_(std::move(post_eps)), next_eps_(std::move(next_eps)), heads_(heads), kv_heads_(kv_heads),
       head_dim_(head_dim), scaling_(scaling) {
   const size_t layers = post_eps_.size();
-  TORCH_CHECK(tensors.size() == kPerLayer * layers && kinds.size() == 4 * layers && next_eps_.size() == layers,
-              "CodedLayers: 14 tensors, four kinds and two epsilons per layer");
+  TORCH_CHECK(tensors.size() == kPerLayer * layers && kinds.size() == 12 * layers && next_eps_.size() == layers,
+              "CodedLayers: 18 tensors, twelve kind numbers and two epsilons per layer");
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor* t = tensors.data() + kPerLayer * i;
     Layer layer;
     for (int p = 0; p < 4; ++p) {
-      const int64_t kind = kinds[4 * i + p];
+      const int64_t kind = kinds[12 * i + 3 * p], codes_rows = kinds[12 * i + 3 * p + 1], wide = kinds[12 * i + 3 * p + 2];
       TORCH_CHECK(kind == kCoded || kind == kPairs || kind == kDots, "CodedLayers: unknown product kind ", kind);
-      layer.products[p] = {static_cast<Kind>(kind), t[3 * p], t[3 * p + 1], present(t[3 * p + 2])};
+      TORCH_CHECK(wide == kNoWide || wide == kBf16Dot || wide == kBf16Dots, "CodedLayers: unknown wide kind ", wide);
+      TORCH_CHECK(codes_rows >= 0 && (wide == kNoWide) == (t[4 * p + 3].numel() == 0),
+                  "CodedLayers: a product's codes rows are counted from 0, and a wide kernel has its weight");
+      layer.products[p] = {static_cast<Kind>(kind), t[4 * p], t[4 * p + 1], present(t[4 * p + 2]), codes_rows,
+                           static_cast<Wide>(wide), t[4 * p + 3]};
     }
-    layer.post_norm = t[12];
-    layer.next_norm = t[13];
+    layer.post_norm = t[16];
+    layer.next_norm = t[17];
     layers_.push_back(std::move(layer));
   }
 }
@@ -63,6 +70,10 @@ void CodedLayers::set_caches(std::vector<at::Tensor> caches) {
 }
 
 at::Tensor CodedLayers::apply(const Product& w, const at::Tensor& x, const c10::optional<at::Tensor>& one_row) {
+  if (x.size(0) > w.codes_rows) {
+    TORCH_CHECK(w.wide != kNoWide, "CodedLayers: ", x.size(0), " rows, more than the codes serve and no kernel for more");
+    return w.wide == kBf16Dot ? bf16_linear(x, w.weight, one_row) : bf16_dots_linear(x, w.weight);
+  }
   switch (w.kind) {
     case kPairs:
       return coded_pairs_linear(x, w.codes, w.scales, w.mins, one_row);

@@ -1,4 +1,6 @@
 """data_plane/llama_forward.py: the lean Llama forward gives transformers' numbers, step by step."""
+import sys
+
 import pytest
 import torch
 
@@ -266,8 +268,10 @@ def _kernel_for(dtype: str, monkeypatch):
 def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
     # a model whose every product reads codes runs its layers in one call to the kernel module (CodedLayers):
     # the same kernels in the same order as the Python loop, so every logit the same bits. float32 at every
-    # row count; bfloat16 up to the rows its products read codes. The third case takes the routes of a CPU
-    # with AVX2 alone (bf16_dots_codes_linear) on any CPU, as if oneDNN had no bfloat16 GEMM for it
+    # row count; bfloat16 up to the rows its products read codes, and above those where the kernel's own
+    # bfloat16 product is every product's route (not oneDNN's GEMM, as with AMX). The third case takes the
+    # routes of a CPU with AVX2 alone (bf16_dots_codes_linear, bf16_dots_linear) on any CPU, as if oneDNN had
+    # no bfloat16 GEMM for it
     kernel = _kernel_for(dtype, monkeypatch)
     if dtype.startswith("bfloat16 "):
         assert linear_ops.bf16_dots_kernel(kernel) == kernel.vectorized()
@@ -277,9 +281,12 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
     assert one_call.model.dtype == getattr(torch, dtype)
     # the codes are every product's route where the kernel is vectorized (AVX-512, or AVX2 and F16C)
     assert (one_call.lean.coded_layers is not None) == kernel.has_coded_simd()
+    dots = linear_ops.bf16_dots_kernel(kernel)
     if dtype == "bfloat16" and kernel.has_coded_simd():
-        dots = linear_ops.bf16_dots_kernel(kernel)
-        assert one_call.lean.coded_rows == (linear_ops.DOTS_CODES_MAX_ROWS if dots else linear_ops.BF16_CODES_MAX_ROWS)
+        wide = {lin.wide_route()[0] if lin.wide_route() else None for lin in one_call.lean.linears()}
+        assert wide == ({"bf16_dots_linear"} if dots else
+                        {"bf16_linear"} if linear_ops.bf16_dot_kernel(kernel) else {None})
+        assert one_call.lean.coded_rows == (sys.maxsize if wide != {None} else linear_ops.BF16_CODES_MAX_ROWS)
         kernels = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
         assert kernels == {"bf16_dots_codes_linear" if dots else "coded_pairs_linear"}
     loop.lean.coded_layers = None
@@ -302,13 +309,15 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
     assert got == expected      # tokens, log-probs and top log-probs, exactly
     if kernel.has_coded_simd():
         assert len(calls) >= 6 and 3 in calls     # the decode steps of three rows took the one call
-        # float32: also the first step's prompt chunks (5 + 1 + 4 rows); in bfloat16 steps of more rows than
-        # its codes serve took the Python loop
-        assert max(calls) <= one_call.lean.coded_rows and (10 in calls) == (dtype == "float32")
+        # also the first step's prompt chunks (5 + 1 + 4 rows), unless bfloat16's products of more rows than
+        # the codes serve are oneDNN's: those steps took the Python loop
+        every_count = one_call.lean.coded_rows == sys.maxsize
+        assert max(calls) <= one_call.lean.coded_rows and (10 in calls) == every_count
+        assert every_count == (dtype == "float32" or linear_ops.bf16_dot_kernel(kernel) or dots)
         # the first step's last layer ran past its attention for the two prompts it finished only (rows 5
         # and 9 of 10: the third prompt's chunk of 5 of 11 tokens samples nothing); decode steps keep all
         assert all(keep is None for rows, keep in zip(calls, kept) if rows == 3)
-        assert ([5, 9] in kept) == (dtype == "float32")
+        assert ([5, 9] in kept) == every_count
     with torch.inference_mode():
         assert torch.equal(one_call.pool, loop.pool)
 
@@ -339,7 +348,8 @@ def test_prompt_rows_that_sample_nothing_skip_the_last_layer_with_the_same_bits(
     assert got == expected      # tokens, log-probs and top log-probs, exactly
     with torch.inference_mode():
         assert torch.equal(skipping.pool, full.pool)
-    if apart and skipping.lean.coded_layers is None or (apart and kind == "bfloat16"):
+    if apart and (skipping.lean.coded_layers is None or skipping.lean.coded_rows < 11):
         # the Python loop's last layer took the two finished prompts' rows alone in the first step (13 + 1 + 4
-        # tokens in chunks of 6: 6 + 1 + 4 rows); in bfloat16 the one call serves only a few rows
+        # tokens in chunks of 6: 6 + 1 + 4 rows); in bfloat16 the one call serves only a few rows where the
+        # products of more are oneDNN's
         assert 2 in rows, rows
