@@ -107,7 +107,8 @@ def test_cpu_kernels_quick():
 
 
 def test_layers_one_call_bench():
-    # a few steps each way: both columns measured, and the row count the one call does not take said so
+    # a few steps each way: both columns measured, and a row count the one call does not take said so (on a CPU
+    # whose bfloat16 products of more rows are the kernel's own, it takes every count: then 9 rows are measured too)
     cmd = [sys.executable, os.path.join("bench", "layers_one_call.py"), "--rows", "1,9", "--rounds", "1", "--block", "2",
            "--num-threads", "1"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -115,4 +116,9 @@ def test_layers_one_call_bench():
     assert "bfloat16: the one call takes up to" in done.stdout
     one_row = [line.split() for line in done.stdout.splitlines() if line.startswith("1 ")]
     assert len(one_row) == 1 and float(one_row[0][1]) > 0 and float(one_row[0][2]) > 0, done.stdout
-    assert re.search(r"^9 .*not run: more rows than the one call takes", done.stdout, re.M), done.stdout
+    nine = [line.split() for line in done.stdout.splitlines() if line.startswith("9 ")]
+    assert len(nine) == 1, done.stdout
+    if "the one call takes up to any number of rows" in done.stdout:
+        assert float(nine[0][1]) > 0 and float(nine[0][2]) > 0, done.stdout
+    else:
+        assert re.search(r"^9 .*not run: more rows than the one call takes", done.stdout, re.M), done.stdout
