@@ -200,11 +200,12 @@ class RoutedLinear:
                 return lambda x, one_row=None: product(x, *tensors)
             return lambda x, one_row=None: product(x, *tensors, one_row)
         if weight.dtype == torch.bfloat16:
-            if self.dots:
-                return lambda x, one_row=None: kernel.bf16_dots_linear(x, weight)
-            if self.dot is not None:
-                dot = self.dot
-                return lambda x, one_row=None: kernel.bf16_linear(x, dot, one_row)
+            wide = self.wide_route()
+            if wide is not None:
+                name, tensor = wide
+                if name == "bf16_dots_linear":   # (torch's order has no one-row chunks)
+                    return lambda x, one_row=None: kernel.bf16_dots_linear(x, tensor)
+                return lambda x, one_row=None: kernel.bf16_linear(x, tensor, one_row)
             if self.packed is not None:
                 packed = self.packed
                 return lambda x, one_row=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -218,8 +219,8 @@ class RoutedLinear:
 
     def wide_route(self) -> tuple[str, torch.Tensor] | None:
         """Where a bfloat16 weight's call of more rows than its codes serve goes to one of the kernel's own
-        products (one of WIDE_KERNELS, and the weight tensor it takes after x), as route() takes it; else None
-        (oneDNN's GEMM, or a float32 weight). The layers in one call (llama_forward.py) take the same."""
+        products (one of WIDE_KERNELS, and the weight tensor it takes after x); else None (oneDNN's GEMM, or a
+        float32 weight). route() and the layers in one call (llama_forward.py) both take it from here."""
         if self.weight.dtype != torch.bfloat16 or self.kernel is None:
             return None
         if self.dots:
