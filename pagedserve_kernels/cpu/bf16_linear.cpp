@@ -8,9 +8,9 @@
 //
 // Layout (bf16_pack): output rows in groups of 16; for group g and input pair (2j, 2j + 1), 32 values,
 // lane l holding (W[16g + l, 2j], W[16g + l, 2j + 1]): one 64-byte load feeds one VDPBF16PS for 16
-// outputs. A thread takes a panel of up to 4 groups (64 outputs) and runs every tile of up to 6 rows of
-// x over it with 6 x 4 sixteen-lane accumulators: per input pair, 4 loads of weights and 6 broadcasts
-// of x's pair feed 24 dot products. The panel (K / 2 * 256 bytes) stays in L2 for all the tiles.
+// outputs. A panel is up to 4 groups (64 outputs); a thread runs its tiles of up to 6 rows of x over it
+// with 6 x 4 sixteen-lane accumulators: per input pair, 4 loads of weights and 6 broadcasts of x's pair
+// feed 24 dot products. The panel (K / 2 * 256 bytes) stays in L2 for all the tiles.
 #include "aten.h"
 
 #include <algorithm>
@@ -115,18 +115,21 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
-  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
+  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups, tiles = (M + kTileRows - 1) / kTileRows;
+  // The threads share (panel, tile) items taken panel by panel, not whole panels: SmolLM2's 576 and 960
+  // outputs are 9 and 15 panels, which two threads split 5 : 4 and 8 : 7. A thread's items are one run, so
+  // it loads a panel into L2 once and runs its tiles over it; only a panel split between two threads is read
+  // by both. Every output is summed in the same order whichever thread takes it.
+  at::parallel_for(0, panels * tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / tiles, m0 = i % tiles * kTileRows;
       const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-        const int64_t rows = std::min(kTileRows, M - m0);
-        switch (count) {
-          case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-          case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-          case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-          default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-        }
+      const int64_t rows = std::min(kTileRows, M - m0);
+      switch (count) {
+        case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+        case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+        case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+        default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
       }
     }
   });
