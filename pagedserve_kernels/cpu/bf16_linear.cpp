@@ -115,21 +115,26 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const bf16*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
-  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups, tiles = (M + kTileRows - 1) / kTileRows;
-  // The threads share (panel, tile) items taken panel by panel, not whole panels: SmolLM2's 576 and 960
-  // outputs are 9 and 15 panels, which two threads split 5 : 4 and 8 : 7. A thread's items are one run, so
-  // it loads a panel into L2 once and runs its tiles over it; only a panel split between two threads is read
-  // by both. Every output is summed in the same order whichever thread takes it.
-  at::parallel_for(0, panels * tiles, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / tiles, m0 = i % tiles * kTileRows;
+  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
+  // The threads share the (panel, row) pairs taken panel by panel, not whole panels: SmolLM2's 576 and 960
+  // outputs are 9 and 15 panels, which two threads would split 5 : 4 and 8 : 7, and a decode step's rows
+  // fall into tiles of unequal size (7 rows: 6 and 1). A thread's pairs are one run: it loads a panel into
+  // L2 once and runs its rows over it in tiles of near-equal size; only a panel split between two threads is
+  // read by both. Every output is summed in the same order whichever thread and tile take it.
+  at::parallel_for(0, panels * M, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t p = u0 / M; p < panels && p * M < u1; ++p) {
+      const int64_t a = std::max(u0, p * M) - p * M, b = std::min(u1, (p + 1) * M) - p * M;
       const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
-      const int64_t rows = std::min(kTileRows, M - m0);
-      switch (count) {
-        case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-        case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-        case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-        default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+      const int64_t tiles = (b - a + kTileRows - 1) / kTileRows;
+      for (int64_t t = 0, m0 = a; t < tiles; ++t) {
+        const int64_t rows = (b - a) / tiles + (t < (b - a) % tiles ? 1 : 0);
+        switch (count) {
+          case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+        }
+        m0 += rows;
       }
     }
   });
