@@ -13,6 +13,7 @@ bfloat16, by what the CPU has:
   bfloat16 tensors (which reorders the weight at every call), at every row count and whatever the
   batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
 - a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows
+  (BF16_DOT_CODES_MAX_ROWS where the AVX512-BF16 kernel takes more rows)
   (a few rows are bound by reading the weights; codes are a third of the bytes); with AVX512-BF16 in
   oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
@@ -52,9 +53,11 @@ from ops import cpu_kernels, quantized
 # up to 12 rows and 7% slower at 16; the packed GEMM is 1.10-1.14x F.linear at 32-64 rows
 SKINNY_MAX_ROWS = 8
 # bfloat16 weights that are GGUF codes: up to this many rows through the kernel reading the codes (a few
-# rows are bound by reading the weights), more through oneDNN's GEMM, whose bfloat16 dot products beat
-# the codes' expansion from about 8 rows on (every product of SmolLM2: bench/route_rows.py)
+# rows are bound by reading the weights), more through oneDNN's GEMM (AMX tiles: faster from 5 rows on)
 BF16_CODES_MAX_ROWS = 4
+# the same where the many-row route is the AVX512-BF16 kernel (no AMX): the codes' dot product holds up to
+# 8 rows in registers, and reads a third of the bytes (every product of SmolLM2: bench/route_rows.py)
+BF16_DOT_CODES_MAX_ROWS = 8
 # AVX2 alone: bfloat16 weights that are GGUF codes, in the order of torch's own GEMM: up to this many rows
 # through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
 # expansion of every code costs more than reading the weight saves (docs/performance.md)
@@ -155,7 +158,7 @@ class RoutedLinear:
         self.skinny_max_rows = skinny_max_rows
         # the route of each row count, chosen on its first call: routes differ only up to a few rows,
         # so every count from `rows_cap` on shares one entry
-        self.rows_cap = 1 + max(BF16_CODES_MAX_ROWS, DOTS_CODES_MAX_ROWS, skinny_max_rows)
+        self.rows_cap = 1 + max(BF16_CODES_MAX_ROWS, BF16_DOT_CODES_MAX_ROWS, DOTS_CODES_MAX_ROWS, skinny_max_rows)
         self._by_rows: dict[int, object] = {}
 
     @property
@@ -167,6 +170,11 @@ class RoutedLinear:
         if self.weight.dtype == torch.float32:
             return self.codes is not None
         return self.weight.dtype == torch.bfloat16 and (self.dots or self.dot is not None)
+
+    @property
+    def codes_max_rows(self) -> int:
+        """The most rows a bfloat16 weight's codes serve before its route for many rows takes over."""
+        return BF16_DOT_CODES_MAX_ROWS if self.dot is not None else BF16_CODES_MAX_ROWS
 
     @property
     def routed(self) -> bool:
@@ -237,7 +245,7 @@ class RoutedLinear:
                 if self.dots_codes is not None and rows <= DOTS_CODES_MAX_ROWS:
                     return "bf16_dots_codes_linear", self.dots_codes
                 return None
-            if codes is None or (rows > BF16_CODES_MAX_ROWS and (self.packed is not None or self.dot is not None)):
+            if codes is None or (rows > self.codes_max_rows and (self.packed is not None or self.dot is not None)):
                 return None
         elif codes is None:
             return None

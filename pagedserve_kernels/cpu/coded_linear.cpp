@@ -25,7 +25,7 @@
 // bfloat16): the expansion rounds each weight to bfloat16 as well, so the kernel multiplies the
 // model's very bfloat16 weights by bfloat16 inputs; each product is exact in float32 and the sum is
 // float32, as in oneDNN's bfloat16 GEMM. y is rounded once at the end. Where the CPU has AVX512-BF16,
-// up to 4 rows pair the rounded weights and sum with its dot product in oneDNN's order (simd.h), as
+// up to 8 rows pair the rounded weights and sum with its dot product in oneDNN's order (simd.h), as
 // pagedserve_kernels/cpu/bf16_linear.cpp does: `F.linear`'s bits. Elsewhere (more rows, or no AVX512-BF16) the
 // FMA chain over k in order: an output can be one bfloat16 step from `F.linear`'s where the float32
 // sum sits by a rounding boundary.
@@ -383,7 +383,7 @@ Weights coded_weights(const at::Tensor& codes, const at::Tensor& scales, const c
 // no panel buffer to write and read back, which a step of a few rows cannot amortize. The FMA chains go
 // this way for up to kChainRows rows (with more, the panel's tiles were as fast, even against two tiles
 // of rows over each group's expansion), the bfloat16 dot product for up to kDirectRows.
-constexpr int kDirectRows = 4;
+constexpr int kDirectRows = 8;
 #ifdef PAGEDSERVE_AVX512
 constexpr int kChainRows = 16;
 #else
@@ -716,12 +716,12 @@ at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::
   return y;
 }
 
-// coded_linear's bfloat16 result for 1 .. 4 rows from codes in the pair order (ops/quantized.py,
+// coded_linear's bfloat16 result for 1 .. 8 rows from codes in the pair order (ops/quantized.py,
 // Codes.paired_order), which spares the dot product's pairing a permutation of every pair of inputs
 at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                               c10::optional<at::Tensor> one_row) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 &&
-              x.size(0) <= kDirectRows, "coded_pairs_linear: x [M, K] bfloat16, 1 <= M <= 4");
+              x.size(0) <= kDirectRows, "coded_pairs_linear: x [M, K] bfloat16, 1 <= M <= 8");
   const int64_t K = x.size(1);
   const Weights w = coded_weights(codes, scales, mins, K);
   auto y = at::empty({x.size(0), codes.size(0) * kGroup}, x.options());

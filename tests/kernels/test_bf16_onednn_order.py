@@ -47,7 +47,7 @@ def test_every_route_gives_f_linears_bits(dot_route, outputs, inputs):
             x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
             want = F.linear(x, weight)
             assert torch.equal(dot_route.bf16_linear(x, routed.dot), want), rows
-            if rows <= linear.BF16_CODES_MAX_ROWS:
+            if rows <= linear.BF16_DOT_CODES_MAX_ROWS:
                 assert torch.equal(routed.codes.linear(dot_route, x), want), rows
             assert torch.equal(routed(x), want), rows
 
@@ -78,7 +78,7 @@ def test_the_order_holds_whatever_the_threads_and_the_chunks(dot_route, threads)
             want = F.linear(x, weight)
             assert torch.equal(dot_route.bf16_linear(x, dot_route.bf16_pack(weight)), want), inputs
             assert codes is not None and codes.rounds_to(dot_route, weight)
-            for rows in (1, linear.BF16_CODES_MAX_ROWS):
+            for rows in (1, linear.BF16_DOT_CODES_MAX_ROWS):
                 assert torch.equal(codes.linear(dot_route, x[:rows].contiguous()), want[:rows]), (inputs, rows)
     finally:
         torch.set_num_threads(previous)
@@ -98,7 +98,7 @@ def test_rows_of_one_row_calls_sum_as_such_a_call(dot_route, inputs):
     assert torch.equal(dot_route.bf16_linear(x, dot_route.bf16_pack(weight), one_row), want)
     assert torch.equal(dot_route.bf16_linear(x, dot_route.bf16_pack(weight)), together)
     paired = codes.paired_order()
-    for rows in range(1, linear.BF16_CODES_MAX_ROWS + 1):
+    for rows in range(1, linear.BF16_DOT_CODES_MAX_ROWS + 1):
         few, flags = x[:rows].contiguous(), one_row[:rows].contiguous()
         assert torch.equal(codes.product(dot_route)(few, codes.codes, codes.scales, codes.mins, flags), want[:rows])
         assert torch.equal(paired.product(dot_route)(few, paired.codes, paired.scales, paired.mins, flags),

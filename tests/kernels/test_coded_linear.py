@@ -188,11 +188,13 @@ def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypa
         real = getattr(kernel, name)
         monkeypatch.setattr(kernel, name, lambda x, *a, real=real: calls.append(x.shape[0]) or real(x, *a))
     with torch.no_grad():
-        for rows in (1, linear.BF16_CODES_MAX_ROWS, linear.BF16_CODES_MAX_ROWS + 1, 300):
+        cap = routed.codes_max_rows
+        assert cap == (linear.BF16_DOT_CODES_MAX_ROWS if routed.dot is not None else linear.BF16_CODES_MAX_ROWS)
+        for rows in (1, cap, cap + 1, 300):
             x = torch.randn(rows, 96).to(torch.bfloat16)
             torch.testing.assert_close(routed(x).float(), torch.nn.functional.linear(x, narrow).float(),
                                        atol=1e-3, rtol=2 ** -7)
-    assert calls == [1, linear.BF16_CODES_MAX_ROWS] or (routed.packed is None and routed.dot is None)
+    assert calls == [1, cap] or (routed.packed is None and routed.dot is None)
     # codes of another weight are not taken
     other = quantized.find_codes(_weight("q4_1", 64, 96, seed=6))
     assert linear.RoutedLinear(narrow, None, kernel, packed=True, codes=other).codes is None
@@ -210,11 +212,11 @@ def test_codes_in_pair_order_give_the_same_bits(kernel, kind, n, k):
     back = paired.plain_order()
     assert not back.paired and torch.equal(back.codes, codes.codes) and codes.plain_order() is codes
     gen = torch.Generator().manual_seed(5)
-    for rows in (1, 2, 3, 4):
+    for rows in range(1, 9):
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         assert torch.equal(paired.linear(kernel, x), codes.linear(kernel, x)), rows
-    with pytest.raises(RuntimeError, match="1 <= M <= 4"):
-        paired.linear(kernel, torch.randn(5, k).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="1 <= M <= 8"):
+        paired.linear(kernel, torch.randn(9, k).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="bfloat16"):
         paired.linear(kernel, torch.randn(1, k))
     with pytest.raises(ValueError, match="plain layout"):
