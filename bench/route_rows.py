@@ -12,8 +12,9 @@ from the codes and from the bfloat16 weights (ops/linear.DOTS_CODES_MAX_ROWS is 
     python bench/route_rows.py --rows 1,2,3,4,5,6,8 --output-layer
 
 The model is loaded in float32 and narrowed by the data plane's runner, as `--dtype bfloat16` serves
-it, so every route multiplies the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS is set from
-this. Best of three, each two passes over every layer (weights from memory, as in a step).
+it, so every route multiplies the same bfloat16 weights; ops/linear.BF16_CODES_MAX_ROWS and
+BF16_DOT_CODES_MAX_ROWS are set from this. Best of three, each two passes over every layer (weights
+from memory, as in a step).
 """
 from __future__ import annotations
 

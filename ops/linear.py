@@ -12,9 +12,9 @@ bfloat16, by what the CPU has:
   weight reordered once at start into oneDNN's blocked layout: bit for bit `F.linear` on the same
   bfloat16 tensors (which reorders the weight at every call), at every row count and whatever the
   batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
-- a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows
-  (BF16_DOT_CODES_MAX_ROWS where the AVX512-BF16 kernel takes more rows)
-  (a few rows are bound by reading the weights; codes are a third of the bytes); with AVX512-BF16 in
+- a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows, or
+  BF16_DOT_CODES_MAX_ROWS where the AVX512-BF16 kernel takes more rows (a few rows are bound by reading
+  the weights; codes are a third of the bytes); with AVX512-BF16 in
   oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
 - AVX2 alone: torch's own GEMM is `F.linear`'s route, and every row count takes the kernel that sums in
