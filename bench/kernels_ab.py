@@ -2,6 +2,7 @@
 
     python bench/kernels_ab.py --before HEAD~2            # attention and the 120 coded products
     python bench/kernels_ab.py --before 8a47f95 --only attention
+    python bench/kernels_ab.py --before HEAD~1 --only bf16 --rows 7,8,64,512
 
 The revision's pagedserve_kernels/cpu/ is built into the torch extension cache under its own name (a minute the
 first time). Then, repetition by repetition, the two builds take the same inputs, so that a change in
@@ -12,6 +13,8 @@ must be equal bit for bit (a change to speed must not change results):
              at that context, or contexts spread around it, in random order or longest first);
   products   every layer product of SmolLM2's lean forward through the GGUF codes (float32, or bfloat16
              inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it);
+  bf16       every layer product of the bfloat16 lean forward through bf16_linear, on the weights laid out at
+             start (where that kernel is the route: AVX512-BF16 without AMX), at the same row counts;
   greedy     the greedy head's token and logit (pagedserve_kernels/cpu/greedy_head.cpp) for random float32 rows of
              the hidden size, at the same row counts.
 """
@@ -58,15 +61,17 @@ def build_revision(rev: str):
 
 
 def alternate(before, after, run, repeats: int) -> tuple[float, float]:
-    """Median seconds of run(module) for each build, alternating; their results must be equal."""
+    """Median seconds of run(module) for each build, alternating, the first of each pair taking turns (the
+    second of a pair ran up to a tenth slower at hundreds of rows, with both builds the same code); their
+    results must be equal."""
     import torch
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        results = []
-        for module, spent in zip((before, after), times):
+    for repeat in range(repeats):
+        results = [None, None]
+        for i in ((0, 1) if repeat % 2 == 0 else (1, 0)):
             started = time.perf_counter()
-            results.append(run(module))
-            spent.append(time.perf_counter() - started)
+            results[i] = run((before, after)[i])
+            times[i].append(time.perf_counter() - started)
         if not all(torch.equal(a, b) for a, b in zip(*results)):
             raise SystemExit("the two builds gave different results")
     return statistics.median(times[0]), statistics.median(times[1])
@@ -122,6 +127,26 @@ def products(before, after, rows_list: list[int], repeats: int, num_threads: int
                repeats, run_for)
 
 
+def bf16_products(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
+    import torch
+    if not hasattr(before, "bf16_linear"):
+        print("\nthe bfloat16 products: not run (the revision has no bf16_linear)")
+        return
+    runner = C.default_runner(num_threads, "inproc://kernels-ab-bf16", "bfloat16", kv_cache_blocks=16)
+    layers = [lin for lin in runner.lean.linears() if lin.dot is not None]
+    if not layers:
+        print("\nthe bfloat16 products: not run (bf16_linear is not the route here: AMX, or no AVX512-BF16)")
+        return
+    gen = torch.Generator().manual_seed(3)
+
+    def run_for(rows: int):
+        inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], generator=gen).to(torch.bfloat16)
+                  for lin in layers}
+        return lambda module: [module.bf16_linear(inputs[lin.weight.shape[1]], lin.dot, None) for lin in layers]
+    rows_table(f"the {len(layers)} layer products through bf16_linear, bfloat16", before, after, rows_list,
+               repeats, run_for)
+
+
 def rows_table(title: str, before, after, rows_list: list[int], repeats: int, run_for) -> None:
     """One line per row count: the two builds' median ms of run_for(rows) (a function of the module)."""
     print(f"\n{title}; ms (median of {repeats})")
@@ -156,7 +181,7 @@ def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="a git revision whose pagedserve_kernels/cpu/ is the baseline")
-    ap.add_argument("--only", choices=("attention", "products", "greedy"))
+    ap.add_argument("--only", choices=("attention", "products", "bf16", "greedy"))
     ap.add_argument("--rows", default="1,4,64", help="row counts of the products and the greedy head")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--num-threads", type=int, default=2)
@@ -178,6 +203,8 @@ def main(argv=None) -> int:
         if args.only in (None, "products"):
             for dtype_name in args.dtypes.split(","):
                 products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads, dtype_name)
+        if args.only in (None, "bf16"):
+            bf16_products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
         if args.only in (None, "greedy"):
             greedy(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
     return 0
