@@ -44,6 +44,8 @@ falls back to `F.linear` unless it is told the rows it was packed for, so each c
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -173,8 +175,11 @@ class RoutedLinear:
 
     @property
     def codes_max_rows(self) -> int:
-        """The most rows a bfloat16 weight's codes serve before its route for many rows takes over."""
-        return BF16_DOT_CODES_MAX_ROWS if self.dot is not None else BF16_CODES_MAX_ROWS
+        """The most rows a bfloat16 weight's codes serve: below its route for many rows (the AVX512-BF16
+        kernel's layout, or oneDNN's packed GEMM); every count where it has neither."""
+        if self.dot is not None:
+            return BF16_DOT_CODES_MAX_ROWS
+        return BF16_CODES_MAX_ROWS if self.packed is not None else sys.maxsize
 
     @property
     def routed(self) -> bool:
@@ -245,7 +250,7 @@ class RoutedLinear:
                 if self.dots_codes is not None and rows <= DOTS_CODES_MAX_ROWS:
                     return "bf16_dots_codes_linear", self.dots_codes
                 return None
-            if codes is None or (rows > self.codes_max_rows and (self.packed is not None or self.dot is not None)):
+            if codes is None or rows > self.codes_max_rows:
                 return None
         elif codes is None:
             return None
