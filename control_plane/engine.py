@@ -55,6 +55,9 @@ class Engine:
         self.eos_token_ids = sorted(eos)
         self._wakeup = asyncio.Event()
         self._in_flight: InFlight | None = None   # overlap: the step sent whose result is awaited next
+        # overlap: the step that was in flight when a step failed, and the failed step's sequences. That
+        # step ran them on state the failure may have left half-updated, and cannot show who is guilty.
+        self._distrusted: tuple[int, set[int]] = (-1, set())
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
@@ -181,11 +184,6 @@ class Engine:
                                   f"slots; this model keeps a per-sequence state and the server has {slots}",
                                   "best_of")
         if params.constraint is not None:
-            if self.config.async_scheduling:
-                # a step planned ahead would need the mask of a token not yet sampled
-                raise ValidationError("structured outputs and forced tool calls are not available on a "
-                                      "server started with --async-scheduling", "response_format",
-                                      "unsupported_parameter")
             self._grammar_matchers().backend.compile(params.constraint)   # a bad grammar is a 400 here
 
     def _grammar_matchers(self) -> Matchers:
@@ -371,7 +369,7 @@ class Engine:
     async def _send(self, plan: StepPlan) -> tuple[InFlight, StepResult] | None:
         """Sends `plan` (with overlap, unless it is empty) and returns the step whose result came back:
         this one, or with overlap the one sent before (None when there was none)."""
-        plan.token_masks = self.outputs.masks(plan)   # never with overlap: validate_request refuses
+        plan.token_masks = self.outputs.masks(plan)   # with overlap too: a constrained sequence is never planned ahead
         if not self.config.async_scheduling:
             return InFlight(plan, time.monotonic()), await self.client.step(plan, self.config.step_timeout)
         sent = None
@@ -392,9 +390,24 @@ class Engine:
 
     def _emit(self, result: StepResult, seqs: list[Sequence]) -> None:
         """The result's tokens to their requests; a failed step to the request that caused it."""
+        step_id, suspects = self._distrusted
+        if result.step_id == step_id:
+            # sent before the failure was handled: the failed step's sequences (recomputed, held or failed
+            # by now) take nothing from it, and if it failed too it blames no one: its other requests are
+            # recomputed, and a culprit among them fails again in a step of its own
+            seqs = [s for s in seqs if s.seq_id not in suspects]
+            if result.error:
+                log.error("step %d, sent before the failure of the step before it was handled, failed too: "
+                          "%s", result.step_id, result.error)
+                self.isolation.recompute(seqs)
+                return
+            result.sampled = [t for t in result.sampled if t.seq_id not in suspects]
+            result.prompt_logprobs = [p for p in result.prompt_logprobs if p.seq_id not in suspects]
         if result.error:
             log.error("step %d failed on the data plane: %s", result.step_id, result.error)
             self.isolation.on_failure(seqs, result.error)
+            if self._in_flight is not None:
+                self._distrusted = (self._in_flight.plan.step_id, {s.seq_id for s in seqs})
             return
         self.isolation.on_success(seqs)
         self.scheduler.apply(self.outputs.process(result))

@@ -25,8 +25,8 @@ sample or beam forks). Nothing else changes the queues. With overlap on, the nex
 this step samples, and whose next step does not depend on the token drawn, counts that token as
 pending (Sequence.num_pending_tokens) and is planned one token ahead; the data plane appended the
 token itself. A sequence whose next step needs the token first (a beam: the control plane
-chooses it; the first token of n > 1 samples: they fork) or that surely ends with it (max_tokens)
-sits out one step. A sequence that turns out to have ended (a stop, an abort) is forgotten by the
+chooses it; the first token of n > 1 samples: they fork; structured output: its next mask follows
+from it) or that surely ends with it (max_tokens) sits out one step. A sequence that turns out to have ended (a stop, an abort) is forgotten by the
 following plan and the token computed for it is dropped.
 """
 from __future__ import annotations
@@ -334,6 +334,8 @@ class Scheduler:
         """Whether the step after this one can be planned before the token this one samples is known."""
         if seq.spec.beam_width:
             return False        # the control plane chooses a beam's next token from the result
+        if seq.params.constraint is not None:
+            return False        # the mask of its next token follows from this one
         num_output = seq.num_expected_tokens - seq.num_prompt_tokens
         if num_output == 0 and seq.spec.n > 1:
             return False        # the first token of parallel samples: they fork from the result

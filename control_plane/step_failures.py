@@ -10,7 +10,9 @@ data plane answers an error for the whole step), this finds the culprit:
   is held aside, and they are let back one at a time, each the only suspect of its steps;
 - every other request of the failed step is re-queued for recompute: the data plane may hold
   half-updated state for it, which it forgets; the request loses nothing (its sequences keep
-  the tokens they generated) and finishes with the output it would have had.
+  the tokens they generated) and finishes with the output it would have had;
+- with overlap, the step sent while the failed one ran holds the same sequences: the engine drops
+  what it gives them, and if it fails too it blames no one (its other requests are recomputed).
 """
 from __future__ import annotations
 
@@ -93,6 +95,11 @@ class FailureIsolation:
                     self.held.append(req)
             else:
                 self._recompute(req, self.scheduler.requeue_front)
+
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """The live requests of `seqs` start over, blamed for nothing."""
+        for req in self._requests(seqs):
+            self._recompute(req, self.scheduler.requeue_front)
 
     def release(self) -> None:
         """Lets the next held suspect back once the previous one is proven (or ended)."""

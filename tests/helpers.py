@@ -202,13 +202,15 @@ class DigitTokenizer:
         return "".join(f" {i}" for i in ids if not (skip_special_tokens and i == 2))
 
 
-def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None):
-    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its RunnerLink)."""
+def make_engine(num_blocks=64, block_size=4, budget=32, caching=True, mode="auto", swap_blocks=None, overlap=False):
+    """The real engine over an in-process runner of the tiny Llama (seed 0): (engine, its RunnerLink). Each
+    step's result comes back before the next is planned unless `overlap` (async scheduling): tests
+    that look at the engine between steps see every step settled."""
     from control_plane.engine import Engine
     from shared.config import ControlPlaneConfig
     runner = make_runner(paged_model(seed=0), num_blocks=num_blocks, block_size=block_size, swap_blocks=swap_blocks)
     cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=caching,
-                            preemption_mode=mode)
+                            preemption_mode=mode, async_scheduling=overlap)
     client = RunnerLink(runner)
     engine = Engine(cp, client, runner.handshake(), DigitTokenizer())
     return engine, client

@@ -10,8 +10,8 @@ class RunnerLink:
     """The one in-process data plane of the tests and benchmarks: a `control_plane.serving.DataPlaneLink`
     over anything that executes plans as the data plane's loop does (`execute(plan) -> StepResult` and
     `handshake()`): the ModelRunner, bench/_fake_engine.py's FakeRunner (no model), or `Unreachable`.
-    Plans run in the order they were sent, when a result is asked for (with --async-scheduling the
-    engine sends one plan ahead)."""
+    Plans run in the order they were sent, when a result is asked for (with overlap, the server's
+    default, the engine sends one plan ahead)."""
     address = "in-process"
     link_up = True   # in-process: no link to lose (what Engine.data_plane_alive reads of a client)
 
@@ -31,9 +31,13 @@ class RunnerLink:
 
     async def result_of(self, step_id, timeout):
         while True:
-            result = self.runner.execute(self.sent.pop(0))
+            result = self.execute(self.sent.pop(0))
             if result.step_id == step_id:
                 return result
+
+    def execute(self, plan):
+        """One plan on the runner, when its result (or a later one's) is asked for."""
+        return self.runner.execute(plan)
 
     async def step(self, plan, timeout):
         await self.send_plan(plan)

@@ -24,9 +24,9 @@ class FaultyClient(RunnerLink):
         self.poisoned: set[int] = set()
         self.failures = 0
 
-    async def step(self, plan, timeout):
+    def execute(self, plan):
         self.poisoned |= {s.seq_id for s in plan.new_seqs if s.token_ids[0] == POISON}
-        result = await super().step(plan, timeout)
+        result = super().execute(plan)
         for seq_id in {s.seq_id for s in plan.new_seqs} | {c.seq_id for c in plan.cached_seqs}:
             state = self.runner.seqs.get(seq_id)
             if seq_id in self.poisoned and len(state.token_ids) - state.num_prompt_tokens > self.after:
@@ -50,9 +50,11 @@ def undisturbed():
     return asyncio.run(run_all(engine, jobs(False)))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["settled", "planned-ahead"])
 @pytest.mark.parametrize("after", [0, 3], ids=["fails-at-once", "fails-after-3-good-steps"])
-def test_only_the_culprit_fails_and_the_others_are_untouched(undisturbed, after):
-    engine, local = make_engine(budget=64)
+def test_only_the_culprit_fails_and_the_others_are_untouched(undisturbed, after, overlap):
+    # planned ahead, the step after the failed one was sent already, with the culprit and the others in it
+    engine, local = make_engine(budget=64, overlap=overlap)
     engine.client = client = FaultyClient(local.runner, after)
     outputs = asyncio.run(run_all(engine, jobs(True)))
     assert client.failures >= 1

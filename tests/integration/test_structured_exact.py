@@ -82,11 +82,13 @@ class RestartingClient(RunnerLink):
         return result
 
 
-def make_engine(model, grammar, num_blocks, mode="recompute", swap_blocks=0, die_at=()):
-    """`grammar`: (tokenizer, a GrammarBackend to share, or None for the engine's own)."""
+def make_engine(model, grammar, num_blocks, mode="recompute", swap_blocks=0, die_at=(), overlap=False):
+    """`grammar`: (tokenizer, a GrammarBackend to share, or None for the engine's own); `overlap`: plan
+    each step while the one before runs (--async-scheduling)."""
     client = RestartingClient(lambda: make_runner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                                   swap_blocks=swap_blocks), die_at)
-    config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=32, preemption_mode=mode)
+    config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=32, preemption_mode=mode,
+                                async_scheduling=overlap)
     tokenizer, backend = grammar
     engine = Engine(config, client, client.runner.handshake(), tokenizer)
     if backend is not None:
@@ -176,6 +178,15 @@ def test_alone_every_choice_is_valid_json_and_sampling_is_seeded(alone, smol_tok
             check_schema(json.loads(text))
     # seeds make the samples differ from the greedy output and from each other
     assert alone[1] != alone[0] and alone[2][0] != alone[2][1]
+
+
+def test_planning_ahead_gives_the_outputs_of_each_request_alone(alone, model, grammar, smol_tokenizer):
+    # with overlap a constrained sequence sits out the step planned while its token is drawn (its next
+    # mask follows from that token), and the others' steps go ahead meanwhile
+    engine, client = make_engine(model, grammar, num_blocks=512, overlap=True)
+    together, _ = run(engine, client, jobs(smol_tokenizer))
+    assert client.sent_ahead > 0, "no plan was sent while another one ran"
+    assert together == alone
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
