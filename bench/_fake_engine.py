@@ -148,8 +148,9 @@ class FakeRunner:
 
 def make_engine(runner, max_num_seqs: int = 256, budget: int = 2048, caching: bool = True, tokenizer=None) -> Engine:
     """The real engine over `runner` (a FakeRunner or a ModelRunner), linked in-process."""
+    # the control plane's work per step, each step settled before the next (no overlap)
     cp = ControlPlaneConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            enable_prefix_caching=caching)
+                            enable_prefix_caching=caching, async_scheduling=False)
     return Engine(cp, RunnerLink(runner), runner.handshake(), tokenizer or FakeTokenizer())
 
 

@@ -122,8 +122,9 @@ async def measure_engine(args, address: str, tokenizer, rng) -> dict[str, dict]:
     from control_plane.engine import Engine
     from control_plane.sampling_params import SamplingParams
     from shared.config import ControlPlaneConfig, default_model_path
-    cp = ControlPlaneConfig(model=default_model_path(), data_plane=address,
-                            max_num_batched_tokens=max(512, args.prefill)).validate()
+    # each step's round trip whole: with overlap the engine would await the step before the one it sent
+    cp = ControlPlaneConfig(model=default_model_path(), data_plane=address, max_num_batched_tokens=max(512, args.prefill),
+                            async_scheduling=False).validate()
     client = DataPlaneClient(address)
     engine = Engine(cp, client, await client.handshake(600), tokenizer)
     probe = Probe(engine)

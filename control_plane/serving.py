@@ -55,7 +55,7 @@ class DataPlaneLink(Protocol):
 
     async def step(self, plan: StepPlan, timeout: float) -> StepResult: ...
 
-    async def send_plan(self, plan: StepPlan) -> None: ...          # --async-scheduling: send now,
+    async def send_plan(self, plan: StepPlan) -> None: ...          # overlap (the default): send now,
 
     async def result_of(self, step_id: int, timeout: float) -> StepResult: ...   # the result later
 

@@ -247,8 +247,8 @@ class ControlPlaneConfig(CommonConfig):
     shutdown_grace: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish", commands=_BOTH_CP, metavar="SECONDS")
     log_interval: float = setting(5.0, "seconds between progress lines in the log",
                                   commands=_BOTH_CP, metavar="SECONDS")
-    async_scheduling: bool = setting(False, "plan each step while the data plane computes the one before "
-                                            "(same outputs)", commands=_BOTH_CP)
+    async_scheduling: bool = setting(True, "wait for each step's result before planning the next (same outputs)",
+                                     flags=("--no-async-scheduling",), commands=_BOTH_CP, shown="on")
     ui: bool = setting(True, "do not serve the built-in page at / (the KV block map, charts, a chat playground)",
                        flags=("--no-ui",), commands=_BOTH_CP, shown="on")
 

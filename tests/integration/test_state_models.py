@@ -36,7 +36,8 @@ def engine_over(runner, num_state_slots: int | None = None, budget: int = 16):
     if num_state_slots is not None:
         hs = dataclasses.replace(hs, num_state_slots=num_state_slots)
     client = RunnerLink(runner)
-    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=True)
+    cp = ControlPlaneConfig(model="tiny", max_num_batched_tokens=budget, enable_prefix_caching=True,
+                            async_scheduling=False)
     return Engine(cp, client, hs, DigitTokenizer()), client
 
 

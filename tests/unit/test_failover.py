@@ -51,7 +51,8 @@ class FlakyClient(RunnerLink):
 
 def make_engine(client_of=RunnerLink, **kw):
     runner = make_runner(paged_model(seed=0), num_blocks=64, block_size=4, swap_blocks=16)
-    config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=32, max_num_seqs=16)
+    # each plan goes through the client's step(), where the faults are injected
+    config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=32, max_num_seqs=16, async_scheduling=False)
     return Engine(config, client_of(runner, **kw), runner.handshake(), DigitTokenizer())
 
 
