@@ -400,17 +400,23 @@ class Engine:
                 log.error("step %d, sent before the failure of the step before it was handled, failed too: "
                           "%s", result.step_id, result.error)
                 self.isolation.recompute(seqs)
+                self._distrust_in_flight(seqs)
                 return
             result.sampled = [t for t in result.sampled if t.seq_id not in suspects]
             result.prompt_logprobs = [p for p in result.prompt_logprobs if p.seq_id not in suspects]
         if result.error:
             log.error("step %d failed on the data plane: %s", result.step_id, result.error)
             self.isolation.on_failure(seqs, result.error)
-            if self._in_flight is not None:
-                self._distrusted = (self._in_flight.plan.step_id, {s.seq_id for s in seqs})
+            self._distrust_in_flight(seqs)
             return
         self.isolation.on_success(seqs)
         self.scheduler.apply(self.outputs.process(result))
+
+    def _distrust_in_flight(self, seqs: list[Sequence]) -> None:
+        """A failed step's sequences were moved (recomputed, held or failed): the step in flight, sent before
+        that, ran them too (overlap)."""
+        if self._in_flight is not None:
+            self._distrusted = (self._in_flight.plan.step_id, {s.seq_id for s in seqs})
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler

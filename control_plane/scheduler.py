@@ -26,8 +26,9 @@ this step samples, and whose next step does not depend on the token drawn, count
 pending (Sequence.num_pending_tokens) and is planned one token ahead; the data plane appended the
 token itself. A sequence whose next step needs the token first (a beam: the control plane
 chooses it; the first token of n > 1 samples: they fork; structured output: its next mask follows
-from it) or that surely ends with it (max_tokens) sits out one step. A sequence that turns out to have ended (a stop, an abort) is forgotten by the
-following plan and the token computed for it is dropped.
+from it) or that surely ends with it (max_tokens) sits out one step. A sequence that turns out to
+have ended (a stop, an abort) is forgotten by the following plan and the token computed for it is
+dropped.
 """
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ class RestartingClient(RunnerLink):
 
 def make_engine(model, grammar, num_blocks, mode="recompute", swap_blocks=0, die_at=(), overlap=False):
     """`grammar`: (tokenizer, a GrammarBackend to share, or None for the engine's own); `overlap`: plan
-    each step while the one before runs (--async-scheduling)."""
+    each step while the one before runs (async scheduling, the server's default)."""
     client = RestartingClient(lambda: make_runner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                                   swap_blocks=swap_blocks), die_at)
     config = ControlPlaneConfig(model="tiny", max_num_batched_tokens=32, preemption_mode=mode,
