@@ -197,16 +197,17 @@ def main(argv=None) -> int:
         return 1
     before, sha = build_revision(args.before)
     print(f"before: {args.before} ({sha}); after: this checkout's pagedserve_kernels/cpu/")
+    rows = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
         if args.only in (None, "attention"):
             attention(before, after, args.repeats)
         if args.only in (None, "products"):
             for dtype_name in args.dtypes.split(","):
-                products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads, dtype_name)
+                products(before, after, rows, args.repeats, args.num_threads, dtype_name)
         if args.only in (None, "bf16"):
-            bf16_products(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
+            bf16_products(before, after, rows, args.repeats, args.num_threads)
         if args.only in (None, "greedy"):
-            greedy(before, after, [int(r) for r in args.rows.split(",")], args.repeats, args.num_threads)
+            greedy(before, after, rows, args.repeats, args.num_threads)
     return 0
 
 

@@ -8,7 +8,7 @@ import asyncio
 import heapq
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from control_plane import metrics
 from control_plane.beam_search import BeamSearch
@@ -37,6 +37,9 @@ class InFlight:
     """A step sent to the data plane whose result is not applied yet."""
     plan: StepPlan
     sent_at: float          # time.monotonic() when it was sent
+    # overlap: the sequences of a step that failed while this one ran. It ran them too, on state the failure
+    # may have left half-updated, and cannot show who is guilty.
+    distrusted: set[int] = field(default_factory=set)
 
 
 class Engine:
@@ -55,9 +58,6 @@ class Engine:
         self.eos_token_ids = sorted(eos)
         self._wakeup = asyncio.Event()
         self._in_flight: InFlight | None = None   # overlap: the step sent whose result is awaited next
-        # overlap: the step that was in flight when a step failed, and the failed step's sequences. That
-        # step ran them on state the failure may have left half-updated, and cannot show who is guilty.
-        self._distrusted: tuple[int, set[int]] = (-1, set())
         self._stopping = False
         self.draining = False  # graceful shutdown: requests in flight go on, new ones are refused
         self._deadlines: list[tuple[float, int, Request]] = []   # heap of (deadline, tie-break, request)
@@ -355,7 +355,7 @@ class Engine:
             sent, result = done
             seqs = self.scheduler.update(sent.plan, result)
             self._observe(sent, result, seqs)
-            self._emit(result, seqs)
+            self._emit(sent, result, seqs)
 
     def _fail_stuck(self, plan: StepPlan) -> bool:
         """Nothing runs and the head of the queue still cannot get its blocks: it never will."""
@@ -388,25 +388,22 @@ class Engine:
         self.policy.observe(len(plan.swap_out) + len(plan.swap_in), result.swap_seconds, result.num_tokens,
                             result.forward_seconds)
 
-    def _emit(self, result: StepResult, seqs: list[Sequence]) -> None:
+    def _emit(self, sent: InFlight, result: StepResult, seqs: list[Sequence]) -> None:
         """The result's tokens to their requests; a failed step to the request that caused it."""
-        step_id, suspects = self._distrusted
-        if result.step_id == step_id:
-            # sent before the failure was handled: the failed step's sequences (recomputed, held or failed
-            # by now) take nothing from it, and if it failed too it blames no one: its other requests are
+        suspects = sent.distrusted
+        if suspects:
+            # sent before a failure was handled: the failed step's sequences (recomputed, held or failed by
+            # now) take nothing from it, and if it failed too it blames no one: its other requests are
             # recomputed, and a culprit among them fails again in a step of its own
             seqs = [s for s in seqs if s.seq_id not in suspects]
-            if result.error:
-                log.error("step %d, sent before the failure of the step before it was handled, failed too: "
-                          "%s", result.step_id, result.error)
-                self.isolation.recompute(seqs)
-                self._distrust_in_flight(seqs)
-                return
             result.sampled = [t for t in result.sampled if t.seq_id not in suspects]
             result.prompt_logprobs = [p for p in result.prompt_logprobs if p.seq_id not in suspects]
         if result.error:
             log.error("step %d failed on the data plane: %s", result.step_id, result.error)
-            self.isolation.on_failure(seqs, result.error)
+            if suspects:
+                self.isolation.recompute(seqs)
+            else:
+                self.isolation.on_failure(seqs, result.error)
             self._distrust_in_flight(seqs)
             return
         self.isolation.on_success(seqs)
@@ -416,7 +413,7 @@ class Engine:
         """A failed step's sequences were moved (recomputed, held or failed): the step in flight, sent before
         that, ran them too (overlap)."""
         if self._in_flight is not None:
-            self._distrusted = (self._in_flight.plan.step_id, {s.seq_id for s in seqs})
+            self._in_flight.distrusted = {s.seq_id for s in seqs}
 
     def _log_progress(self, elapsed: float) -> None:
         s = self.scheduler
