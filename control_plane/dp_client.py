@@ -2,6 +2,11 @@
 sent; step plans may be sent ahead of their results (the data plane queues them, see
 Engine.step's overlap) and each result is matched to its plan by step id.
 
+The socket is a plain (blocking-API) ZeroMQ socket whose file descriptor the event loop watches: a
+message is taken with a non-blocking receive, and a wait costs one future, not the several futures and
+flag objects per message of zmq.asyncio. The control plane shares the machine's cores with the data
+plane's threads, so what it spends per token is taken from them.
+
 The link is watched two ways, so that /health follows it within a second of a death:
 - a ZeroMQ socket monitor reports the disconnect of a data plane whose process ends (its
   socket closes, whatever the transport); `link_up` reads it;
@@ -23,7 +28,6 @@ import uuid
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import curve
@@ -65,17 +69,19 @@ class DataPlaneClient:
         self.token: str | None = tokens.load(address) if tokens is not None else None
         self._link_up = False             # the monitor's view: a ZMTP session is established
         self.link_drops = 0               # disconnects seen so far
-        self.ctx = zmq.asyncio.Context.instance()
+        self.ctx = zmq.Context.instance()
         # the monitor is read synchronously, in order, whenever the link's state matters: its events
         # precede any message of the connection they describe, so no stale event can follow a reply
-        self._sync_ctx = zmq.Context.shadow(self.ctx.underlying)
         self.sock = None
+        self._watched = None              # (event loop, fd) whose reader is _on_fd
+        self._waiter: asyncio.Future | None = None   # set by _on_fd when the socket may be ready
         self._monitor = None
         self._connect()
 
     def _connect(self) -> None:
         if self.sock is not None:
             self._stop_monitor()
+            self._unwatch()
             self.sock.close(0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -87,7 +93,7 @@ class DataPlaneClient:
             curve.secure_client(self.sock, self.curve)
         address = f"inproc://dp-monitor-{uuid.uuid4().hex}"
         self.sock.monitor(address, LINK_EVENTS)
-        self._monitor = self._sync_ctx.socket(zmq.PAIR)
+        self._monitor = self.ctx.socket(zmq.PAIR)
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._monitor.connect(address)
         self.sock.connect(self.address)
@@ -100,10 +106,65 @@ class DataPlaneClient:
             pass
         self._monitor.close(0)
 
+    # --- waiting on the socket in the event loop ----------------------------------------------
+    def _on_fd(self) -> None:
+        # ZeroMQ's descriptor signals that the socket's state may have changed (edge-triggered): the waiter
+        # checks what is ready
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _watch(self) -> asyncio.AbstractEventLoop:
+        """The running loop, watching this socket's descriptor (once per socket and loop)."""
+        loop = asyncio.get_running_loop()
+        if self._watched is None or self._watched[0] is not loop:
+            self._unwatch()
+            fd = self.sock.getsockopt(zmq.FD)
+            loop.add_reader(fd, self._on_fd)
+            self._watched = (loop, fd)
+        return loop
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            loop, fd = self._watched
+            self._watched = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
+
+    async def _ready(self, event: int, seconds: float) -> bool:
+        """Whether the socket can receive (event zmq.POLLIN) or send (zmq.POLLOUT) within `seconds`."""
+        if self.sock.getsockopt(zmq.EVENTS) & event:
+            return True
+        loop = self._watch()
+        deadline = loop.time() + seconds
+        while True:
+            # reading EVENTS re-arms the descriptor: a change after this read signals it again
+            if self.sock.getsockopt(zmq.EVENTS) & event:
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(remaining, self._on_fd)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+
+    async def _send(self, frame: bytes) -> None:
+        while True:
+            try:
+                self.sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:   # its queue is full: wait until it takes more
+                await self._ready(zmq.POLLOUT, POLL_SLICE_SECONDS)
+
     @property
     def link_up(self) -> bool:
         """Whether a session with the data plane is established now (reads the monitor's news)."""
         while True:
+            if not self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:   # (no exception raised per call)
+                return self._link_up
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
@@ -118,7 +179,7 @@ class DataPlaneClient:
     async def _request(self, kind: str, message, expect: str, timeout: float, resend_on_drop: bool = False):
         if not resend_on_drop and not self.link_up and self.link_drops:
             raise DataPlaneDead(f"the link to the data plane at {self.address} is down")
-        await self.sock.send(P.encode(kind, message))
+        await self._send(P.encode(kind, message))
         return await self._receive(kind, message, expect, timeout, resend_on_drop)
 
     async def _receive(self, kind: str, message, expect: str, timeout: float, resend_on_drop: bool = False):
@@ -139,11 +200,13 @@ class DataPlaneClient:
                     raise DataPlaneDead(f"the link to the data plane at {self.address} dropped")
                 if up:                   # back: say it again, the first one may be lost
                     drops = self.link_drops
-                    await self.sock.send(P.encode(kind, message))
-            if not await self.sock.poll(min(remaining, POLL_SLICE_SECONDS) * 1000):
+                    await self._send(P.encode(kind, message))
+            if not await self._ready(zmq.POLLIN, min(remaining, POLL_SLICE_SECONDS)):
                 continue
             try:
-                got_kind, reply = P.decode(await self.sock.recv())
+                got_kind, reply = P.decode(self.sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                continue
             except P.ProtocolError as exc:
                 log.warning("dropped a frame from the data plane: %s", exc)
                 continue
@@ -187,7 +250,7 @@ class DataPlaneClient:
     async def send_plan(self, plan: P.StepPlan) -> None:
         if not self.link_up and self.link_drops:
             raise DataPlaneDead(f"the link to the data plane at {self.address} is down")
-        await self.sock.send(P.encode(P.STEP_PLAN, plan))
+        await self._send(P.encode(P.STEP_PLAN, plan))
 
     async def result_of(self, step_id: int, timeout: float) -> P.StepResult:
         """The result of the plan `step_id`; results of earlier plans (left by a timeout) are dropped."""
@@ -202,10 +265,11 @@ class DataPlaneClient:
 
     async def shutdown(self) -> None:
         try:
-            await self.sock.send(P.encode(P.SHUTDOWN), flags=zmq.NOBLOCK)
+            self.sock.send(P.encode(P.SHUTDOWN), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
     def close(self) -> None:
         self._stop_monitor()
+        self._unwatch()
         self.sock.close(0)
