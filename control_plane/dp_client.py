@@ -50,6 +50,11 @@ LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVEN
                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class DataPlaneDead(RuntimeError):
     """The data plane did not answer in time, or answered nonsense."""
 
@@ -70,11 +75,11 @@ class DataPlaneClient:
         self._link_up = False             # the monitor's view: a ZMTP session is established
         self.link_drops = 0               # disconnects seen so far
         self.ctx = zmq.Context.instance()
-        # the monitor is read synchronously, in order, whenever the link's state matters: its events
-        # precede any message of the connection they describe, so no stale event can follow a reply
         self.sock = None
         self._watched = None              # (event loop, fd) whose reader is _on_fd
-        self._waiter: asyncio.Future | None = None   # set by _on_fd when the socket may be ready
+        self._waiters: list[asyncio.Future] = []   # woken by _on_fd when the socket may be ready
+        # the monitor is read synchronously, in order, whenever the link's state matters: its events
+        # precede any message of the connection they describe, so no stale event can follow a reply
         self._monitor = None
         self._connect()
 
@@ -108,10 +113,10 @@ class DataPlaneClient:
 
     # --- waiting on the socket in the event loop ----------------------------------------------
     def _on_fd(self) -> None:
-        # ZeroMQ's descriptor signals that the socket's state may have changed (edge-triggered): the waiter
+        # ZeroMQ's descriptor signals that the socket's state may have changed (edge-triggered): each waiter
         # checks what is ready
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        for waiter in self._waiters:
+            _wake(waiter)
 
     def _watch(self) -> asyncio.AbstractEventLoop:
         """The running loop, watching this socket's descriptor (once per socket and loop)."""
@@ -143,13 +148,14 @@ class DataPlaneClient:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
-            self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(remaining, self._on_fd)
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            timer = loop.call_later(remaining, _wake, waiter)
             try:
                 await waiter
             finally:
                 timer.cancel()
-                self._waiter = None
+                self._waiters.remove(waiter)
 
     async def _send(self, frame: bytes) -> None:
         while True:
