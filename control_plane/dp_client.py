@@ -137,8 +137,6 @@ class DataPlaneClient:
 
     async def _ready(self, event: int, seconds: float) -> bool:
         """Whether the socket can receive (event zmq.POLLIN) or send (zmq.POLLOUT) within `seconds`."""
-        if self.sock.getsockopt(zmq.EVENTS) & event:
-            return True
         loop = self._watch()
         deadline = loop.time() + seconds
         while True:
