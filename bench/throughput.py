@@ -34,6 +34,11 @@ timed run, and the largest difference of the chosen tokens' log-probs before the
 from a second, untimed pass of the same requests (all at once) asking for `logprobs: 1` (served
 systems only). (l) is compared with that reference too.
 
+--rounds N: the served systems (a), (v), (l) run N times in turn (llama-server after the first round at
+its best slot count of that round), each round's ratios taken within the round, and the goals judged on
+the median ratio: a machine whose speed drifts between runs moves every system of a round alike. The
+tokens of later rounds are checked against the first round's.
+
 --single: one request alone, best of --single-repeats: time to the first token, decode time per
 token after it (streamed: (end - first token) / (tokens - 1)), and overall tokens per second.
 """
@@ -43,6 +48,7 @@ import argparse
 import asyncio
 import copy
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -99,7 +105,12 @@ def parse_args(argv=None):
     ap.add_argument("--single-output-len", type=int, default=133)
     ap.add_argument("--single-repeats", type=int, default=3, help="--single: best of this many")
     ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the served systems (a), (v), (l) this many times in turn and judge the goals on "
+                         "the median of each round's ratio (not with --single)")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or (args.rounds > 1 and args.single):
+        ap.error("--rounds: a positive count, and 1 with --single (which takes the best of --single-repeats)")
     if args.quick:
         args.num_requests = 8
         args.single_prompt_len, args.single_output_len = 8, 8
@@ -400,15 +411,24 @@ def rows(args, runs, failures):
                 print(f"{label} not run: {failures[key, dtype]}")
 
 
-def print_ratios(args, figure: dict, goals, what: str = "ratio") -> None:
-    """(a)'s figure over each anchor's, per dtype; goals: (anchor key, goal or None, remark) per dtype."""
+def print_ratios(args, figure: dict, goals, what: str = "ratio", judged: bool = True) -> None:
+    """(a)'s figure over each anchor's, per dtype; goals: (anchor key, goal or None, remark) per dtype;
+    judged: whether these ratios decide the goals (not where --rounds takes the median instead)."""
     for dtype in args.dtypes:
         for key, goal, remark in goals(dtype):
             their = (key, LLAMA if key == "l" else dtype)
             if ("a", dtype) in figure and their in figure:
                 ratio = figure["a", dtype] / figure[their]
-                verdict = f"  (goal >= {goal:g}{remark}: {'met' if ratio >= goal else 'not met'})" if goal else ""
-                print(f"{what} (a)/({key}) {dtype}: {ratio:.2f}{verdict}")
+                print(f"{what} (a)/({key}) {dtype}: {ratio:.2f}{verdict(goal, remark, ratio) if judged else ''}")
+
+
+def verdict(goal, remark: str, ratio: float) -> str:
+    return f"  (goal >= {goal:g}{remark}: {'met' if ratio >= goal else 'not met'})" if goal else ""
+
+
+def throughput_goals(dtype):
+    return [("b", GOAL_VS_STATIC, ""), ("c", GOAL_VS_HF_CB, ""), ("v", GOAL_VS_VLLM.get(dtype), ""),
+            ("l", GOAL_VS_LLAMA_BATCHED, " (issue [15]'s goal is on exp64)")]
 
 
 def report_throughput(args, trace, runs, failures) -> None:
@@ -421,10 +441,41 @@ def report_throughput(args, trace, runs, failures) -> None:
         rate[key, dtype] = useful / run.seconds
         print(f"{label} {run.seconds:>9.1f} {rate[key, dtype]:>13.1f}{'  ' + run.note if run.note else ''}")
     print()
-    print_ratios(args, rate, lambda dtype: [("b", GOAL_VS_STATIC, ""), ("c", GOAL_VS_HF_CB, ""),
-                                            ("v", GOAL_VS_VLLM.get(dtype), ""),
-                                            ("l", GOAL_VS_LLAMA_BATCHED, " (issue [15]'s goal is on exp64)")])
+    print_ratios(args, rate, throughput_goals, "ratio" if args.rounds == 1 else "round 1 ratio", args.rounds == 1)
     report_tokens(args, runs, len(trace), lambda run: run.outputs)
+
+
+def report_rounds(args, trace, rounds: list[dict], failures: list[dict]) -> None:
+    """--rounds: each served system's tok/s round by round, and (a)'s ratio to each anchor in the same
+    round, judged on the median; the tokens of every later round against the first's."""
+    useful = sum(r.output_len for r in trace)
+    print(f"\n{args.rounds} rounds, output tok/s in each (the systems in turn within a round):")
+    keys = [(key, dtype) for dtype in [*args.dtypes, LLAMA] for key in "avl"
+            if key in args.systems and (key == "l") == (dtype == LLAMA)]
+    for key, dtype in keys:
+        figures = [f"{useful / r[key, dtype].seconds:.1f}" if (key, dtype) in r else "-" for r in rounds]
+        print(f"  ({key}) {dtype:<9} {' '.join(f'{f:>7}' for f in figures)}")
+    for dtype in args.dtypes:
+        for key, goal, remark in throughput_goals(dtype):
+            their = (key, LLAMA if key == "l" else dtype)
+            ratios = [r[their].seconds / r["a", dtype].seconds for r in rounds if ("a", dtype) in r and their in r]
+            if key in "vl" and ratios:
+                middle = statistics.median(ratios)
+                print(f"ratio (a)/({key}) {dtype}, round by round: {' '.join(f'{x:.2f}' for x in ratios)}; "
+                      f"median {middle:.2f}{verdict(goal, remark, middle)}")
+    differ = 0
+    for i, (r, failed) in enumerate(zip(rounds[1:], failures[1:]), start=2):
+        for (key, dtype), why in failed.items():
+            print(f"round {i}: ({key}) {dtype} not run: {why}")
+        for (key, dtype), run in r.items():
+            if (key, dtype) in rounds[0]:
+                n, _ = compare(rounds[0][key, dtype].outputs, run.outputs)
+                differ += n > 0
+                if n:
+                    print(f"round {i}: ({key}) {dtype}: {n} of {len(trace)} requests' tokens differ from round 1's")
+    if not differ:
+        later = "round 2" if len(rounds) == 2 else f"rounds 2-{len(rounds)}"
+        print(f"{later}: every system's tokens identical to its own in round 1")
 
 
 def report_tokens(args, runs, count: int, outputs_of) -> None:
@@ -504,28 +555,40 @@ def main(argv=None) -> int:
     pool_tokens: dict = {}
     model = None
     hf_systems = bool({"b", "c"} & set(args.systems))
-    for dtype in args.dtypes:
-        if "a" in args.systems:
-            pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
-            server = C.start_server(args.num_threads, [*args.server_flags, *pool, "--dtype", dtype, *args.serve_flag])
-            if model is None and (hf_systems or (reduced and k > 0)):   # loads while the data plane loads its own
-                model = C.load_hf_model(args.num_threads)
-            try:
-                server.wait_ready()
-                C.Timer.note(f"pagedserve {dtype} ready; running (a)")
-                version = C.get_json(server.url + "/version")
-                pool_tokens[dtype] = version["num_device_blocks"] * version["block_size"]
-                runs["a", dtype] = asyncio.run(job(openai_client(server.url), f"(a) pagedserve {dtype}",
-                                                   dtype != "float32" and k > 0))
-            except Exception as exc:   # reported, not hidden
-                C.progress_done()
-                failures["a", dtype] = f"{type(exc).__name__}: {str(exc)[-600:]}"
-            finally:
-                server.stop()   # it must not compete for the CPU with the others
-        if "v" in args.systems:
-            run_vllm(args, dtype, job, runs, failures, dtype != "float32" and k > 0)
-    if "l" in args.systems:
-        run_llama(args, trace, job, runs, failures, bool(reduced) and k > 0)
+    rounds, round_failures, llama_np = [], [], args.llama_np
+    for i in range(args.rounds):
+        # round 1 fills `runs` (with the log-prob passes the references need); later rounds are timed only
+        first = i == 0
+        this, failed = (runs, failures) if first else ({}, {})
+        if args.rounds > 1:
+            C.Timer.note(f"round {i + 1} of {args.rounds}")
+        for dtype in args.dtypes:
+            scored = first and dtype != "float32" and k > 0
+            if "a" in args.systems:
+                pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
+                server = C.start_server(args.num_threads,
+                                        [*args.server_flags, *pool, "--dtype", dtype, *args.serve_flag])
+                if model is None and (hf_systems or (reduced and k > 0)):   # loads while the data plane loads its own
+                    model = C.load_hf_model(args.num_threads)
+                try:
+                    server.wait_ready()
+                    C.Timer.note(f"pagedserve {dtype} ready; running (a)")
+                    version = C.get_json(server.url + "/version")
+                    pool_tokens[dtype] = version["num_device_blocks"] * version["block_size"]
+                    this["a", dtype] = asyncio.run(job(openai_client(server.url), f"(a) pagedserve {dtype}", scored))
+                except Exception as exc:   # reported, not hidden
+                    C.progress_done()
+                    failed["a", dtype] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+                finally:
+                    server.stop()   # it must not compete for the CPU with the others
+            if "v" in args.systems:
+                run_vllm(args, dtype, job, this, failed, scored)
+        if "l" in args.systems:
+            # later rounds run llama-server at the slot count that was its best in the first
+            best = run_llama(args, trace, job, this, failed, first and bool(reduced) and k > 0, llama_np)
+            llama_np = [best] if best else llama_np
+        rounds.append(this)
+        round_failures.append(failed)
     for dtype in args.dtypes:
         # the reference only where a system of this dtype (or llama.cpp) has something to compare
         want_ref = dtype != "float32" and k > 0 and (hf_systems or ("l", LLAMA) in runs
@@ -561,8 +624,10 @@ def main(argv=None) -> int:
         report_single(args, req, runs, failures)
     else:
         report_throughput(args, trace, runs, failures)
+        if args.rounds > 1:
+            report_rounds(args, trace, rounds, round_failures)
     print(f"benchmark wall time: {time.monotonic() - C.Timer.start:.0f} s (model loads included)")
-    return 1 if any(key == "a" for key, _ in failures) else 0
+    return 1 if any(key == "a" for failed in round_failures for key, _ in failed) else 0
 
 
 def run_vllm(args, dtype: str, job, runs, failures, scored: bool) -> None:
@@ -584,19 +649,20 @@ def run_vllm(args, dtype: str, job, runs, failures, scored: bool) -> None:
         vllm.stop()
 
 
-def run_llama(args, trace, job, runs, failures, scored: bool) -> None:
-    """llama-server at each --llama-np (one slot with --single), its best run kept; the log-prob pass
-    (for the reference of a reduced-precision dtype) on the first of them."""
+def run_llama(args, trace, job, runs, failures, scored: bool, slots: list[int]) -> int | None:
+    """llama-server at each slot count of `slots` (one slot with --single), its best run kept, and its
+    slot count returned; the log-prob pass (for the reference of a reduced-precision dtype) on the first
+    of them."""
     import llamacpp_anchor as L
     from shared.config import default_model_path
     binary, why_not = L.find()
     if binary is None:
         failures["l", LLAMA] = why_not
-        return
+        return None
     C.Timer.note(f"llama.cpp: {L.version(binary)}")
     ctx = max(args.llama_ctx_per_slot, max(len(r.prompt_ids) + r.output_len for r in trace))
     tried, errors, no_repack = [], [], False
-    for np_ in [1] if args.single else args.llama_np:
+    for np_ in [1] if args.single else slots:
         server = L.LlamaServer(binary, default_model_path(), C.free_port(), args.num_threads, np_, ctx)
         no_repack = server.no_repack
         try:
@@ -612,7 +678,7 @@ def run_llama(args, trace, job, runs, failures, scored: bool) -> None:
             server.stop()
     if not tried:
         failures["l", LLAMA] = "; ".join(errors)
-        return
+        return None
     useful = sum(r.output_len for r in trace)
     if args.single:
         np_, best = tried[0]
@@ -626,6 +692,7 @@ def run_llama(args, trace, job, runs, failures, scored: bool) -> None:
     if errors:
         best.note += "; failed: " + "; ".join(errors)
     runs["l", LLAMA] = best
+    return np_
 
 
 if __name__ == "__main__":

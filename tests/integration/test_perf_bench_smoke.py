@@ -31,7 +31,7 @@ def number_after(pattern: str, text: str) -> float:
 def test_throughput_quick():
     # pagedserve and the transformers baselines; the anchors (v, l) are set up by their scripts, not CI,
     # and their absence is tested below: a machine that has them would spend minutes on them here
-    out = run_bench("throughput.py", "--dtypes", "float32", "--systems", "abc")
+    out = run_bench("throughput.py", "--dtypes", "float32", "--systems", "abc", "--rounds", "2")
     for system in ("(a) pagedserve", "(b) transformers generate", "(c) transformers continuous batching"):
         assert system in out, out
     assert number_after(r"\(a\) pagedserve, REST API, all requests at once\s+float32\s+[0-9.]+", out) > 0
@@ -41,6 +41,9 @@ def test_throughput_quick():
     # greedy float32 on prompts of equal length (no padding): the same tokens as transformers
     assert "token check (a) vs (b) float32: 0 of 8 requests differ" in out, out
     assert "cpu check" in out and "machine:" in out
+    # --rounds 2: (a) served twice, both rounds' figures printed, the second round's tokens the first's
+    assert re.search(r"^  \(a\) float32\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
+    assert "round 2: every system's tokens identical to its own in round 1" in out, out
 
 
 def throughput_module():
@@ -59,9 +62,33 @@ def test_throughput_arguments():
     assert parse(["--dtype", "bfloat16"]).dtypes == ["bfloat16"]
     single = parse(["--single"])
     assert single.single and (single.single_prompt_len, single.single_output_len) == (57, 133)
-    for bad in (["--dtypes", "float32,int8"], ["--systems", "ax"], ["--llama-np", "0"]):
+    for bad in (["--dtypes", "float32,int8"], ["--systems", "ax"], ["--llama-np", "0"], ["--rounds", "0"],
+                ["--rounds", "2", "--single"]):
         with pytest.raises(SystemExit):
             parse(bad)
+
+
+def test_throughput_rounds_report(capsys):
+    """--rounds: the ratio of each round is taken within the round and the goal judged on their median; a
+    later round whose tokens differ from the first's is named."""
+    T = throughput_module()
+    args = T.parse_args(["--systems", "avl", "--dtypes", "float32", "--rounds", "3"])
+    trace = [T.C.TraceRequest([1, 2], 2, 0), T.C.TraceRequest([3], 2, 0)]
+    same, other = [[5, 6], [7, 8]], [[5, 6], [7, 9]]
+
+    def round_of(a, v, l, l_tokens=same):   # seconds of (a), (v) (None: it failed), (l)
+        run = {("a", "float32"): T.Run(a, same), ("l", T.LLAMA): T.Run(l, l_tokens)}
+        return run if v is None else {**run, ("v", "float32"): T.Run(v, same)}
+    # (a)/(v) per round: 1.4, 1.8, none (median 1.6: met); (a)/(l): 2.0, 3.5, 2.5 (median 2.5: not met)
+    rounds = [round_of(1.0, 1.4, 2.0), round_of(1.0, 1.8, 3.5), round_of(2.0, None, 5.0, other)]
+    T.report_rounds(args, trace, rounds, [{}, {}, {("v", "float32"): "RuntimeError: gone"}])
+    out = capsys.readouterr().out
+    assert "ratio (a)/(v) float32, round by round: 1.40 1.80; median 1.60  (goal >= 1.5: met)" in out, out
+    assert "ratio (a)/(l) float32, round by round: 2.00 3.50 2.50; median 2.50" in out and "not met" in out, out
+    assert "  (a) float32       4.0     4.0     2.0" in out and "  (v) float32       2.9     2.2       -" in out, out
+    assert "round 3: (l) gguf: 1 of 2 requests' tokens differ from round 1's" in out, out
+    assert "round 3: (v) float32 not run: RuntimeError: gone" in out, out
+    assert "identical to its own" not in out, out
 
 
 @pytest.mark.parametrize("mode", [[], ["--single"]])
