@@ -469,10 +469,11 @@ def report_rounds(args, trace, rounds: list[dict], failures: list[dict]) -> None
             print(f"round {i}: ({key}) {dtype} not run: {why}")
         for (key, dtype), run in r.items():
             if (key, dtype) in rounds[0]:
-                n, _ = compare(rounds[0][key, dtype].outputs, run.outputs)
+                n, where = compare(rounds[0][key, dtype].outputs, run.outputs)
                 differ += n > 0
                 if n:
-                    print(f"round {i}: ({key}) {dtype}: {n} of {len(trace)} requests' tokens differ from round 1's")
+                    print(f"round {i}: ({key}) {dtype}: {n} of {len(trace)} requests' tokens differ from round 1's "
+                          f"({'; '.join(where)}{' ...' if n > len(where) else ''})")
     if not differ:
         later = "round 2" if len(rounds) == 2 else f"rounds 2-{len(rounds)}"
         print(f"{later}: every system's tokens identical to its own in round 1")

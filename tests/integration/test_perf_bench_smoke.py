@@ -86,7 +86,7 @@ def test_throughput_rounds_report(capsys):
     assert "ratio (a)/(v) float32, round by round: 1.40 1.80; median 1.60  (goal >= 1.5: met)" in out, out
     assert "ratio (a)/(l) float32, round by round: 2.00 3.50 2.50; median 2.50" in out and "not met" in out, out
     assert "  (a) float32       4.0     4.0     2.0" in out and "  (v) float32       2.9     2.2       -" in out, out
-    assert "round 3: (l) gguf: 1 of 2 requests' tokens differ from round 1's" in out, out
+    assert "round 3: (l) gguf: 1 of 2 requests' tokens differ from round 1's (request 1 at token 1/2)" in out, out
     assert "round 3: (v) float32 not run: RuntimeError: gone" in out, out
     assert "identical to its own" not in out, out
 
