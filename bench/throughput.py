@@ -62,6 +62,7 @@ GOAL_VS_STATIC, GOAL_VS_HF_CB = 8.0, 3.0
 GOAL_VS_VLLM = {"float32": 1.5, "bfloat16": 1.2}   # issue [15]; float32 also with tokens identical
 GOAL_VS_LLAMA_BATCHED, GOAL_VS_LLAMA_SINGLE = 3.0, 1.0
 SYSTEMS = "abcvl"
+SERVED = "avl"   # the systems --rounds repeats
 LLAMA = "gguf"   # (l)'s row: it computes with the GGUF's own weights, not in a --dtypes dtype
 
 
@@ -396,30 +397,38 @@ def names(args) -> dict[str, str]:
             "l": "(l) llama.cpp llama-server, Q4_1 GGUF" + ("" if args.single else ", best -np")}
 
 
+def table_keys(args, keys: str = SYSTEMS):
+    """(key, dtype) of every row of the systems run among `keys`, in table order: (l) once, in its own row."""
+    return [(key, dtype) for dtype in [*args.dtypes, LLAMA] for key in args.systems
+            if key in keys and (key == "l") == (dtype == LLAMA)]
+
+
 def rows(args, runs, failures):
     """(key, dtype, the row's label, its run) in table order; a system that did not run gets its
     'not run' row printed here instead."""
     name = names(args)
-    for dtype in [*args.dtypes, LLAMA]:
-        for key in args.systems:
-            label = f"{name[key]:<58} {dtype:<9}"
-            if (key == "l") != (dtype == LLAMA):
-                continue
-            if (key, dtype) in runs:
-                yield key, dtype, label, runs[key, dtype]
-            elif (key, dtype) in failures:
-                print(f"{label} not run: {failures[key, dtype]}")
+    for key, dtype in table_keys(args):
+        label = f"{name[key]:<58} {dtype:<9}"
+        if (key, dtype) in runs:
+            yield key, dtype, label, runs[key, dtype]
+        elif (key, dtype) in failures:
+            print(f"{label} not run: {failures[key, dtype]}")
 
 
 def print_ratios(args, figure: dict, goals, what: str = "ratio", judged: bool = True) -> None:
     """(a)'s figure over each anchor's, per dtype; goals: (anchor key, goal or None, remark) per dtype;
     judged: whether these ratios decide the goals (not where --rounds takes the median instead)."""
-    for dtype in args.dtypes:
-        for key, goal, remark in goals(dtype):
-            their = (key, LLAMA if key == "l" else dtype)
-            if ("a", dtype) in figure and their in figure:
-                ratio = figure["a", dtype] / figure[their]
-                print(f"{what} (a)/({key}) {dtype}: {ratio:.2f}{verdict(goal, remark, ratio) if judged else ''}")
+    for dtype, key, their, goal, remark in anchors(args, goals):
+        if ("a", dtype) in figure and their in figure:
+            ratio = figure["a", dtype] / figure[their]
+            print(f"{what} (a)/({key}) {dtype}: {ratio:.2f}{verdict(goal, remark, ratio) if judged else ''}")
+
+
+def anchors(args, goals):
+    """(dtype, anchor key, the anchor's row key, goal or None, remark) for each dtype run and each of
+    goals(dtype)."""
+    return [(dtype, key, (key, LLAMA if key == "l" else dtype), goal, remark)
+            for dtype in args.dtypes for key, goal, remark in goals(dtype)]
 
 
 def verdict(goal, remark: str, ratio: float) -> str:
@@ -450,19 +459,15 @@ def report_rounds(args, trace, rounds: list[dict], failures: list[dict]) -> None
     round, judged on the median; the tokens of every later round against the first's."""
     useful = sum(r.output_len for r in trace)
     print(f"\n{args.rounds} rounds, output tok/s in each (the systems in turn within a round):")
-    keys = [(key, dtype) for dtype in [*args.dtypes, LLAMA] for key in "avl"
-            if key in args.systems and (key == "l") == (dtype == LLAMA)]
-    for key, dtype in keys:
+    for key, dtype in table_keys(args, SERVED):
         figures = [f"{useful / r[key, dtype].seconds:.1f}" if (key, dtype) in r else "-" for r in rounds]
         print(f"  ({key}) {dtype:<9} {' '.join(f'{f:>7}' for f in figures)}")
-    for dtype in args.dtypes:
-        for key, goal, remark in throughput_goals(dtype):
-            their = (key, LLAMA if key == "l" else dtype)
-            ratios = [r[their].seconds / r["a", dtype].seconds for r in rounds if ("a", dtype) in r and their in r]
-            if key in "vl" and ratios:
-                middle = statistics.median(ratios)
-                print(f"ratio (a)/({key}) {dtype}, round by round: {' '.join(f'{x:.2f}' for x in ratios)}; "
-                      f"median {middle:.2f}{verdict(goal, remark, middle)}")
+    for dtype, key, their, goal, remark in anchors(args, throughput_goals):
+        ratios = [r[their].seconds / r["a", dtype].seconds for r in rounds if ("a", dtype) in r and their in r]
+        if key in SERVED and ratios:
+            middle = statistics.median(ratios)
+            print(f"ratio (a)/({key}) {dtype}, round by round: {' '.join(f'{x:.2f}' for x in ratios)}; "
+                  f"median {middle:.2f}{verdict(goal, remark, middle)}")
     differ = 0
     for i, (r, failed) in enumerate(zip(rounds[1:], failures[1:]), start=2):
         for (key, dtype), why in failed.items():
