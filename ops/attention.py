@@ -186,10 +186,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 # prompt runs of up to this many query tokens go through the CPU kernel, one row per token (each row
 # reads its own causal context); longer runs through SDPA, which shares a key tile between many
-# queries. Per layer on SmolLM2's shapes, 2 threads (AVX-512 kernel against the reference):
-# 10 prompts of 51 tokens 0.32 against 1.23 ms, one prompt of 64 0.07 against 0.15, of 128 0.32
-# against 0.30, of 256 1.15 against 0.81
-KERNEL_MAX_QUERY = 96
+# queries. Two reasons for the bound. A bfloat16 prompt of up to 193 tokens gets transformers' bits from
+# the kernel, in one run or in chunks over several steps (each row follows the one SDPA call transformers
+# makes over the whole prompt), where SDPA over a chunk is a call transformers never makes; above, torch's
+# flash attention splits its queries in blocks of another size, which the kernel does not follow. And up
+# to here the kernel is the faster of the two on SmolLM2's shapes (docs/performance.md, thirty-fourth
+# session).
+KERNEL_MAX_QUERY = 192
 
 
 @dataclass
