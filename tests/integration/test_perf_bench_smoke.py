@@ -149,3 +149,19 @@ def test_layers_one_call_bench():
         assert float(nine[0][1]) > 0 and float(nine[0][2]) > 0, done.stdout
     else:
         assert re.search(r"^9 .*not run: more rows than the one call takes", done.stdout, re.M), done.stdout
+
+
+def test_prompt_attention_bench():
+    # one prompt length, both dtypes timed through both paths; where the kernel follows torch's SDPA order,
+    # every bfloat16 value of a 120-token prompt, whole and in two runs, is transformers'
+    cmd = [sys.executable, os.path.join("bench", "prompt_attention.py"), "--lengths", "120", "--repeats", "2",
+           "--num-threads", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("120 ")]
+    assert [row[1] for row in rows] == ["float32", "bfloat16"], done.stdout
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows), done.stdout
+    bits = " ".join(rows[1][5:])
+    counts = re.findall(r"(\d+)/(\d+)", bits)
+    if "not checked" not in bits:
+        assert len(counts) == 2 and all(a == b for a, b in counts), done.stdout
