@@ -188,10 +188,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # reads its own causal context); longer runs through SDPA, which shares a key tile between many
 # queries. Two reasons for the bound. A bfloat16 prompt of up to 193 tokens gets transformers' bits from
 # the kernel, in one run or in chunks over several steps (each row follows the one SDPA call transformers
-# makes over the whole prompt), where SDPA over a chunk is a call transformers never makes; above, torch's
-# flash attention splits its queries in blocks of another size, which the kernel does not follow. And up
-# to here the kernel is the faster of the two on SmolLM2's shapes (docs/performance.md, thirty-fourth
-# session).
+# makes over the whole prompt), where SDPA over a chunk is a call transformers never makes; from 194
+# tokens on, a few rows past about a hundred keys differ from it (the order of torch's products over query
+# blocks of 32-64 rows there is not read yet). And up to here the kernel is the faster of the two on
+# SmolLM2's shapes (docs/performance.md, thirty-fourth session).
 KERNEL_MAX_QUERY = 192
 
 
