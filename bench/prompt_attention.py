@@ -58,21 +58,10 @@ def transformers_bits(n: int) -> str:
     if not chosen.sdpa_lanes or not chosen.mkl_order:
         return "not checked (the kernel does not follow torch's SDPA order on this CPU)"
     args, expected = sdpa_order.sdpa_case(n, n, seed=n)
-    query, k_cache, v_cache, tables, _, _, scale, _ = args
     verdicts = []
     for runs in ((n,), (n // 2, n - n // 2)):
-        done, equal, total = 0, 0, 0
-        for run in runs:
-            seq_lens = torch.tensor([done + run], dtype=torch.int32)
-            starts = torch.tensor([0, run], dtype=torch.int32)
-            rows = attention.kernel_rows(starts, seq_lens, tables, max_query=n, prompt_lens=torch.tensor([n], dtype=torch.int32))
-            got = attention.paged_attention_cpu(chosen.kernel, query[done:done + run].contiguous(), k_cache, v_cache,
-                                                tables, seq_lens, starts, scale, work=rows, lanes=chosen.sdpa_lanes,
-                                                mkl_order=True)
-            equal += int((got == expected[done:done + run]).sum())
-            total += got.numel()
-            done += run
-        verdicts.append(f"{'whole' if len(runs) == 1 else 'two runs'} {equal}/{total}")
+        got = torch.cat([out for out, _ in sdpa_order.prompt_runs(args, runs, chosen, max_query=n)])
+        verdicts.append(f"{'whole' if len(runs) == 1 else 'two runs'} {int((got == expected).sum())}/{got.numel()}")
     return ", ".join(verdicts)
 
 

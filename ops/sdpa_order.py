@@ -55,6 +55,23 @@ def kernel_attention(kernel, args: tuple, lanes: int, mkl_order: bool) -> torch.
     return out
 
 
+def prompt_runs(args: tuple, runs: tuple[int, ...], backend, max_query: int | None = None) -> list[tuple]:
+    """A prompt of sdpa_case (queries == keys) handed to ops.attention.paged_attention in `runs` of its query
+    tokens, as the runner hands a prompt split over steps (the prompt's length known): per run, its rows of the
+    result and its KernelRows, made with `max_query` (None: the module's KERNEL_MAX_QUERY)."""
+    from ops.attention import KERNEL_MAX_QUERY, kernel_rows, paged_attention
+    query, k_cache, v_cache, tables, prompt_lens, _, scale, _ = args
+    done, results = 0, []
+    for run in runs:
+        seq_lens = torch.tensor([done + run], dtype=torch.int32)
+        starts = torch.tensor([0, run], dtype=torch.int32)
+        rows = kernel_rows(starts, seq_lens, tables, max_query or KERNEL_MAX_QUERY, prompt_lens=prompt_lens)
+        results.append((paged_attention(query[done:done + run].contiguous(), k_cache, v_cache, tables, seq_lens, starts,
+                                        scale, run, kernel_rows=rows, backend=backend), rows))
+        done += run
+    return results
+
+
 # Random inputs per case: where the orders differ, a case shows it on some inputs only (on an AVX2-only
 # CPU a few of 8 seeds differ in one to thirty values), so one seed per case can pass by luck. The
 # tests draw seed keys + 1, outside these.

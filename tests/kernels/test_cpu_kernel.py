@@ -123,16 +123,10 @@ def test_bfloat16_prompt_rows_in_chunks_are_transformers_one_call_over_the_promp
     # them: the prompt's length known): each row has the bits of transformers' one call over the whole prompt
     assert max(runs) <= attention.KERNEL_MAX_QUERY
     args, expected = _sdpa_case(prompt, prompt, seed=prompt)
-    query, k_cache, v_cache, tables, _, _, scale, _ = args
     chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
     done = 0
-    for run in runs:
-        seq_lens = torch.tensor([done + run], dtype=torch.int32)
-        starts = torch.tensor([0, run], dtype=torch.int32)
-        rows = attention.kernel_rows(starts, seq_lens, tables, prompt_lens=torch.tensor([prompt], dtype=torch.int32))
+    for run, (got, rows) in zip(runs, sdpa_order.prompt_runs(args, runs, chosen)):
         assert rows.rest == []   # the kernel's, not the reference's
-        got = attention.paged_attention(query[done:done + run].contiguous(), k_cache, v_cache, tables, seq_lens,
-                                        starts, scale, run, kernel_rows=rows, backend=chosen)
         want = expected[done:done + run]
         assert torch.equal(got, want) if chosen.mkl_order else (got == want).float().mean() > 0.99
         done += run
