@@ -13,14 +13,21 @@ def hold() -> None:
     gc.disable()
 
 
-@contextlib.contextmanager
-def serving():
-    """Around the serving loop: what loading left is frozen, the collector runs again; at the end the
-    objects are unfrozen, within reach of the interpreter's last collection: extension objects it never
-    frees are reported as leaks at exit (nanobind's, Triton's)."""
+def settle() -> None:
+    """After loading: what it left is frozen, and the collector runs again. An in-process bench that
+    builds the data plane's runner calls this too (bench/_common.default_runner): its steps are then timed
+    with the collections the data plane has, not with full passes over a model it never frees."""
     gc.collect()
     gc.freeze()
     gc.enable()
+
+
+@contextlib.contextmanager
+def serving():
+    """Around the serving loop: `settle`, and at the end the objects are unfrozen, within reach of the
+    interpreter's last collection: extension objects it never frees are reported as leaks at exit
+    (nanobind's, Triton's)."""
+    settle()
     try:
         yield
     finally:
