@@ -355,6 +355,8 @@ def default_runner(num_threads: int, listen: str, dtype: str = "float32", **sett
     and narrowed to `dtype` by the runner after it finds the GGUF codes, as the data plane does; what the
     loading made is then frozen out of the collector's reach, as there (data_plane/collector.py).
     `settings`: other DataPlaneConfig fields (kv_cache_blocks, ...)."""
+    import atexit
+
     import torch
 
     from data_plane import attention, collector
@@ -365,6 +367,7 @@ def default_runner(num_threads: int, listen: str, dtype: str = "float32", **sett
     config = DataPlaneConfig(model=default_model_path(), listen=listen, dtype=dtype, **settings)
     runner = ModelRunner(model, config, torch.device("cpu"))
     collector.settle()   # as the data plane before serving
+    atexit.register(collector.release)   # and unfrozen at exit, as there
     return runner
 
 @contextlib.contextmanager

@@ -31,4 +31,9 @@ def serving():
     try:
         yield
     finally:
-        gc.unfreeze()
+        release()
+
+
+def release() -> None:
+    """What `settle` froze is within the collector's reach again."""
+    gc.unfreeze()
