@@ -165,3 +165,20 @@ def test_prompt_attention_bench():
     counts = re.findall(r"(\d+)/(\d+)", bits)
     if "not checked" not in bits:
         assert len(counts) == 2 and all(a == b for a, b in counts), done.stdout
+
+
+def test_stream_cost_bench():
+    # one short stream: the client's time per token, the data plane's steps (from its own /metrics: one per
+    # token, the prompt's included) and the threads of both planes, the data plane's main thread among them
+    cmd = [sys.executable, os.path.join("bench", "stream_cost.py"), "--dtypes", "float32", "--tokens", "20",
+           "--repeats", "2", "--num-threads", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    out = done.stdout
+    assert number_after(r"\n  token", out) > 0
+    steps = re.search(r"; (\d+) steps for (\d+) tokens", out)
+    assert steps and int(steps.group(2)) == 40 and int(steps.group(1)) >= 40, out
+    assert number_after(r"\n  steps", out) > 0 and number_after(r"of which the forward pass and sampling", out) > 0
+    threads = dict(re.findall(r"^  (control plane: \S+|data plane: \S+)\s+([0-9.]+)", out, re.M))
+    assert "data plane: main" in threads and "control plane: main" in threads, out
+    assert float(threads["data plane: main"]) > 0, out
