@@ -9,7 +9,8 @@ exactly --tokens tokens (EOS ignored), --repeats times. Printed per dtype:
   token      the client's decode time per token, (end - first event) / (tokens - 1), mean of the streams;
   step       the data plane's time in step plans (pagedserve_data_plane_step_duration_seconds), and within
              it the forward pass and sampling (..._forward_duration_seconds), over the same streams, per
-             token (the prompt's step included: a few hundredths of a millisecond a token);
+             token (each stream's prompt step included, whose time the client's figure leaves out:
+             it weighs more the fewer --tokens, and can make `between` negative on short streams);
   between    token - step: what a token waits outside the data plane's step (its reply and the next plan's
              receipt, the ZeroMQ link, the control plane, the HTTP stream);
   per thread CPU milliseconds per token (utime + stime from /proc) and context switches per token, of
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import sys
 import time
 
@@ -55,31 +55,20 @@ def threads_of(pid: int) -> dict[tuple[int, int], tuple[str, float, int, int]]:
 
 
 def children_of(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except OSError:
-                continue
-    return kids
+    with open(f"/proc/{pid}/task/{pid}/children") as f:   # the spawned data plane
+        return [int(child) for child in f.read().split()]
 
 
 def step_metrics(port: int) -> dict[str, tuple[float, float]]:
     """name -> (sum, count) of the data plane's step histograms."""
     import urllib.request
+
+    from tests.e2e.client import metric_value
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    found = {}
-    for name in STEP_METRICS:
-        total = re.search(rf"^{name}_sum{{[^}}]*}} (\S+)$", text, re.M)
-        count = re.search(rf"^{name}_count{{[^}}]*}} (\S+)$", text, re.M)
-        if total is None or count is None:
-            raise RuntimeError(f"the data plane's /metrics has no {name}")
-        found[name] = (float(total.group(1)), float(count.group(1)))
-    return found
+    if not all(f"{name}_count" in text for name in STEP_METRICS):
+        raise RuntimeError(f"the data plane's /metrics lacks one of {', '.join(STEP_METRICS)}")
+    return {name: (metric_value(text, f"{name}_sum"), metric_value(text, f"{name}_count")) for name in STEP_METRICS}
 
 
 async def streams(url: str, model: str, tokens: int, repeats: int) -> list[float]:
