@@ -132,10 +132,15 @@ def machine_line(num_threads: int) -> str:
     import transformers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    from ops import cpu_kernels
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    # a run of the kernels built for another CPU says so, with the vectors torch's own ops were held to
+    target = "" if cpu_kernels.MARCH == "native" else \
+        f"; kernels built for -march={cpu_kernels.MARCH}, torch's vectors {torch.backends.cpu.get_cpu_capability()}"
     return (f"machine: {platform.processor() or platform.machine()}, {cores} cores usable, "
             f"load average {load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f}{gpu}; torch {torch.__version__} with "
-            f"{num_threads} thread{'s' if num_threads > 1 else ''} per process, transformers {transformers.__version__}")
+            f"{num_threads} thread{'s' if num_threads > 1 else ''} per process, transformers {transformers.__version__}"
+            f"{target}")
 
 
 _last_progress = [0.0, ""]

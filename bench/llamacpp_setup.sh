@@ -8,10 +8,16 @@
 # (not the Python binding). Steps, each skipped when already done:
 #   1. `pip download --no-deps --no-binary :all: llama-cpp-python==$VERSION` into DIR/src;
 #   2. unpack it; DIR/src/VERSION records which llama.cpp that is;
-#   3. cmake with native CPU flags (AVX-512 where the CPU has it), no curl/OpenSSL, the server only;
+#   3. cmake with native CPU flags (AVX-512 where the CPU has it; GGML_CPU_FLAGS replaces them: the AVX2 build
+#      below), no curl/OpenSSL, the server only;
 #      `cmake --build --target llama-server` (about 10 minutes on 2 cores);
 #   4. DIR/bin/llama-server, the binary bench/llamacpp_anchor.py looks for.
 # It serves the same GGUF as pagedserve's default model, so no conversion step is needed.
+#
+# llama-server with AVX2 alone beside the native one, for the bench on an AVX-512 CPU held to AVX2 (make test-avx2's
+# settings; docs/performance.md, thirty-sixth session):
+#   GGML_CPU_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON" \
+#     bench/llamacpp_setup.sh ~/.cache/pagedserve/llama.cpp-avx2
 set -euo pipefail
 DIR="${1:-${PAGEDSERVE_LLAMACPP_DIR:-$HOME/.cache/pagedserve/llama.cpp}}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -42,7 +48,8 @@ echo "llama-cpp-python $VERSION (vendored llama.cpp)" > "$DIR/src/VERSION"
 
 echo "llamacpp_setup: building llama-server with $JOBS jobs (about 10 minutes on 2 cores)"
 start=$(date +%s)
-cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+# shellcheck disable=SC2086  # the flags are words
+cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF ${GGML_CPU_FLAGS:--DGGML_NATIVE=ON} \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF >"$DIR/cmake-configure.log" 2>&1 \
     || { tail -30 "$DIR/cmake-configure.log" >&2; exit 1; }
