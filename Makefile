@@ -45,8 +45,9 @@ serve: install
 test: install-test
 	$(BIN)/python -m pytest -q
 	@# a CPU with AVX-512 runs the kernels' AVX2 paths as well, which no other test here reaches (not one with
-	@# AMX: torch reports its tiles whatever the ISA it is held to, and an AVX2-only CPU has none)
-	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null && ! grep -qw amx_tile /proc/cpuinfo; then \
+	@# AMX: torch reports its tiles whatever the ISA it is held to, and an AVX2-only CPU has none; nor without a
+	@# compiler, which builds them)
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null && ! grep -qw amx_tile /proc/cpuinfo && command -v c++ >/dev/null; then \
 	  $(MAKE) --no-print-directory test-avx2; fi
 
 # The kernels' AVX2 paths on this CPU (it needs AVX2, FMA and F16C): built for x86-64-v3 under a name of their
