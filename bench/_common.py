@@ -130,9 +130,10 @@ def machine_line(num_threads: int) -> str:
     """What the numbers were measured on: the CPU is often shared, so the load is printed too."""
     import torch
     import transformers
+
+    from ops import cpu_kernels
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    from ops import cpu_kernels
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     # a run of the kernels built for another CPU says so, with the vectors torch's own ops were held to
     target = "" if cpu_kernels.MARCH == "native" else \

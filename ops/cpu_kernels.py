@@ -33,8 +33,7 @@ def _sources_digest() -> str:
     for path in sorted(SOURCES + [os.path.join(_FOLDER, h) for h in ("simd.h", "aten.h", "coded_layers.h")]):
         with open(path, "rb") as f:
             digest.update(f.read())
-    if MARCH != "native":   # a build for another CPU under a name of its own, beside the native one
-        digest.update(f"-march={MARCH}".encode())
+    digest.update(f"-march={MARCH}".encode())   # a build for another CPU has a name of its own beside the native one
     return digest.hexdigest()[:10]
 
 
