@@ -79,14 +79,21 @@ def alternate(before, after, run, repeats: int) -> tuple[float, float]:
 
 def attention(before, after, repeats: int) -> None:
     import torch
-    from ops.attention import kernel_rows
-    print(f"\npaged decode, {LAYERS} layers, blocks shuffled; ms (median of {repeats})")
+    from data_plane import kv_pool
+    from ops.attention import choose, kernel_rows
+    print(f"\npaged decode, {LAYERS} layers, blocks shuffled, in the order the data plane asks for; ms (median of {repeats})")
     print(f"{'dtype':9} {'rows':>4} {'context':>9} {'before':>8} {'after':>8} {'after/before':>12}"
           "   (8-N: contexts spread over 8..N; 8-N<: the same, longest first)")
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
+        # the data plane's route: torch's SDPA order (its lanes; MKL's order of the products where that was
+        # found at start), as data_plane/llama_forward.py calls the kernel
+        backend = choose(torch.device("cpu"), dtype)
         num_blocks = max(rows * ctx for rows, ctx, _ in GRID) // BLOCK * 4
-        pool = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        # in huge pages, as the data plane's pool (data_plane/kv_pool.py)
+        pool = torch.empty(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+        kv_pool.advise_huge_pages(pool)
+        pool.copy_(torch.randn(pool.shape, generator=gen))
         for rows, ctx, spread in GRID:
             lens = torch.randint(8, 2 * ctx - 7, (rows,), generator=gen) if spread else torch.full((rows,), ctx)
             if spread == "oldest first":
@@ -101,7 +108,8 @@ def attention(before, after, repeats: int) -> None:
                 for layer in range(LAYERS):
                     out = torch.empty_like(query)
                     module.paged_decode(out, query, pool[layer, 0], pool[layer, 1], work.tables, work.lens, work.tokens,
-                                        HEAD_DIM ** -0.5, 0, 0.0, None, None, 0, None, 0)
+                                        HEAD_DIM ** -0.5, 0, 0.0, None, None, 0, work.ends, backend.sdpa_lanes,
+                                        work.qrows if backend.mkl_order else None)
                     outs.append(out)
                 return outs
             b, a = alternate(before, after, run, repeats)
