@@ -1,8 +1,15 @@
 """Turns the logits of the sampled rows into tokens; logits never leave the device.
 
-Reproducibility: a seeded sequence draws its k-th output token from a generator seeded with
-(seed, k), so the same seed gives the same tokens whatever else is in the batch, and after a
-preemption that recomputes the sequence from scratch.
+A sampled row (temperature > 0) keeps the tokens that its top-k, top-p and min-p let through (`_filter`),
+then draws one by a single uniform number u: the first token, in token order, at which the running sum of
+the kept probabilities passes u. On the CPU, pagedserve_kernels/cpu/sampler.cpp does all of it in one call
+for the step's draws, without sorting or writing the 49,152 probabilities of a row; elsewhere (and for a
+row it turns down) torch's operations do the same, to the same token but where u falls within rounding of
+a boundary between two tokens.
+
+Reproducibility: a seeded sequence's k-th output token takes its u from (seed, k) alone, so the same seed
+gives the same tokens whatever else is in the batch, and after a preemption that recomputes the sequence
+from scratch.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from shared.protocol import SamplingSpec, draw_seed
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive seeds apart
 _MASK64 = (1 << 63) - 1
+_BITS64 = (1 << 64) - 1
 
 
 @dataclass
@@ -50,6 +58,17 @@ class SampleOutput:
 
 def _token_seed(seed: int, index: int) -> int:
     return (seed * _SEED_MIX + index * 1_000_003 + 1) & _MASK64
+
+
+def _uniform(seed: int | None, index: int) -> float:
+    """The u in [0, 1) of a seeded sequence's index-th token: splitmix64's output function over the token's
+    seed, its top 53 bits (the same on every machine); unseeded, Python's own generator."""
+    if seed is None:
+        return random.random()
+    z = (_token_seed(seed, index) + _SEED_MIX) & _BITS64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _BITS64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _BITS64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -100,10 +119,11 @@ def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
         kth = torch.topk(logits, spec.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if spec.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # (equal logits in token order, as the kernel takes them)
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+        probs = sorted_logits.softmax(-1).double()   # (summed in float64, as the kernel sums)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= spec.top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= spec.top_p
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
     if spec.min_p > 0.0:
         probs = logits.softmax(-1)
@@ -111,12 +131,40 @@ def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return logits
 
 
-def _draw(probs: torch.Tensor, seed: int | None, index: int) -> int:
-    seed = seed if seed is not None else random.getrandbits(62)
-    gen = torch.Generator(device=probs.device).manual_seed(_token_seed(seed, index))
-    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int(torch.argmax(probs / noise))
+def _draw(probs: torch.Tensor, u: float) -> int:
+    """The first token at which the running sum of probs passes u times their sum (torch's route); where
+    rounding leaves none, the last of positive probability (token 0 where there is none: a row of NaN)."""
+    cum = probs.double().cumsum(0)
+    token = int(torch.searchsorted(cum, cum[-1:] * u, right=True))
+    if token < probs.shape[0] and bool(probs[token] > 0):
+        return token
+    positive = torch.nonzero(probs > 0)
+    return int(positive[-1]) if positive.numel() else 0
+
+
+def _kernel_draws(logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list[int]]:
+    """The tokens of the sampled rows' draws by the CPU kernel, row by row: {} off the CPU, without the
+    kernel, or with none to draw; a row the kernel turns down (a NaN, no finite logit) is left out."""
+    sampled = [i for i, row in enumerate(rows) if row.spec.temperature != 0.0]
+    if not sampled or logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return {}
+    kernel = cpu_kernels.load()
+    if kernel is None or not hasattr(kernel, "sample_draws"):
+        return {}
+    params = torch.zeros(logits.shape[0], 4, dtype=torch.float32)
+    params[:, 0] = 1.0   # (rows without draws: any temperature)
+    draw_rows, us = [], []
+    for i in sampled:
+        spec = rows[i].spec
+        params[i] = torch.tensor([spec.temperature, max(spec.top_k, 0), spec.top_p, spec.min_p])
+        for j in range(rows[i].num_draws):
+            draw_rows.append(i)
+            us.append(_uniform(draw_seed(spec.seed, j), rows[i].num_outputs))
+    tokens = kernel.sample_draws(logits, params, torch.tensor(draw_rows), torch.tensor(us, dtype=torch.float64)).tolist()
+    drawn: dict[int, list[int]] = {}
+    for i, token in zip(draw_rows, tokens):
+        drawn.setdefault(i, []).append(token)
+    return {i: draws for i, draws in drawn.items() if min(draws) >= 0}
 
 
 def apply_token_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -185,14 +233,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutpu
             logits[i] = apply_penalties(logits[i].clone(), row)
     best, greedy, lse = greedy_logsumexp(logits)
     greedy_logprob, greedy = (best - lse).tolist(), greedy.tolist()
+    drawn = _kernel_draws(logits, rows)
     outputs = []
     for i, row in enumerate(rows):
         spec = row.spec
         if spec.temperature == 0.0:
             tokens, logprobs = [greedy[i]] * row.num_draws, [greedy_logprob[i]] * row.num_draws
         else:
-            probs = _filter(logits[i], spec).softmax(-1)
-            tokens = [_draw(probs, draw_seed(spec.seed, j), row.num_outputs) for j in range(row.num_draws)]
+            tokens = drawn.get(i)
+            if tokens is None:
+                probs = _filter(logits[i], spec).softmax(-1)
+                tokens = [_draw(probs, _uniform(draw_seed(spec.seed, j), row.num_outputs)) for j in range(row.num_draws)]
             logprobs = (logits[i, tokens] - lse[i]).tolist()
         top: list[tuple[int, float]] = []
         if spec.logprobs > 0:

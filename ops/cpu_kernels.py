@@ -18,7 +18,7 @@ log = logging.getLogger("pagedserve.ops")
 
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pagedserve_kernels", "cpu")
 SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp", "coded_linear.cpp", "bf16_linear.cpp",
-                                                           "bf16_dots_linear.cpp", "greedy_head.cpp", "coded_layers.cpp")]
+                                                           "bf16_dots_linear.cpp", "greedy_head.cpp", "coded_layers.cpp", "sampler.cpp")]
 
 
 # The CPU the kernels are built for (gcc's -march): `native` takes the paths this CPU has (AVX-512, or AVX2,
