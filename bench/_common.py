@@ -277,11 +277,13 @@ class AnchorProcess:
         self._log.close()   # the log stays, for a look after a failed run
 
 
-def greedy_body(model, prompt, max_tokens, logprobs: int | None = None, stream: bool = False) -> dict:
+def greedy_body(model, prompt, max_tokens, logprobs: int | None = None, stream: bool = False,
+                sampling: dict | None = None) -> dict:
     """An OpenAI /v1/completions body for a greedy completion of exactly max_tokens tokens (EOS ignored;
-    `ignore_eos` and `return_token_ids` are vLLM's extensions, which pagedserve serves too)."""
+    `ignore_eos` and `return_token_ids` are vLLM's extensions, which pagedserve serves too); `sampling`:
+    the fields that make it sample instead (temperature, top_p, ...)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
+            "ignore_eos": True, "return_token_ids": True, **(sampling or {})}
     if logprobs is not None:
         body["logprobs"] = logprobs
     if stream:
@@ -297,9 +299,10 @@ async def post_json(session, url: str, body: dict) -> dict:
     return data
 
 
-async def complete_greedy(session, url, model, prompt, max_tokens) -> list[int]:
-    """One greedy completion over HTTP (EOS ignored: exactly max_tokens tokens); its token ids."""
-    data = await post_json(session, f"{url}/v1/completions", greedy_body(model, prompt, max_tokens))
+async def complete_greedy(session, url, model, prompt, max_tokens, sampling: dict | None = None) -> list[int]:
+    """One greedy completion over HTTP (EOS ignored: exactly max_tokens tokens; `sampling`: greedy_body's);
+    its token ids."""
+    data = await post_json(session, f"{url}/v1/completions", greedy_body(model, prompt, max_tokens, sampling=sampling))
     return data["choices"][0]["token_ids"]
 
 

@@ -71,14 +71,16 @@ class LlamaServer(C.AnchorProcess):
         return self
 
 
-def body(prompt: list[int], max_tokens: int, n_probs: int = 0, stream: bool = False) -> dict:
-    """A greedy /completion of exactly max_tokens tokens: temperature 0 (greedy), EOS ignored."""
+def body(prompt: list[int], max_tokens: int, n_probs: int = 0, stream: bool = False,
+         sampling: dict | None = None) -> dict:
+    """A greedy /completion of exactly max_tokens tokens: temperature 0 (greedy), EOS ignored; `sampling`:
+    the fields that make it sample instead."""
     return {"prompt": list(prompt), "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_tokens": True, "n_probs": n_probs, "stream": stream}
+            "return_tokens": True, "n_probs": n_probs, "stream": stream, **(sampling or {})}
 
 
-async def complete(session, url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    return (await C.post_json(session, f"{url}/completion", body(prompt, max_tokens)))["tokens"]
+async def complete(session, url: str, prompt: list[int], max_tokens: int, sampling: dict | None = None) -> list[int]:
+    return (await C.post_json(session, f"{url}/completion", body(prompt, max_tokens, sampling=sampling)))["tokens"]
 
 
 async def complete_scored(session, url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:

@@ -41,6 +41,10 @@ tokens of later rounds are checked against the first round's.
 
 --single: one request alone, best of --single-repeats: time to the first token, decode time per
 token after it (streamed: (end - first token) / (tokens - 1)), and overall tokens per second.
+
+--sampling: every request of the served systems samples instead (temperature 0.7, top-p 0.9, no seed), as
+a chat client often asks; llama-server's own top-k and min-p are turned off, so that all keep the tokens of
+the same rule. Each system draws with its own generator: no token check then.
 """
 from __future__ import annotations
 
@@ -63,6 +67,9 @@ GOAL_VS_VLLM = {"float32": 1.5, "bfloat16": 1.2}   # issue [15]; float32 also wi
 GOAL_VS_LLAMA_BATCHED, GOAL_VS_LLAMA_SINGLE = 3.0, 1.0
 SYSTEMS = "abcvl"
 SERVED = "avl"   # the systems --rounds repeats
+# --sampling's request fields: the OpenAI systems', then llama-server's (whose top-k and min-p are on by default)
+SAMPLING = {"openai": {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0},
+            "llama": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0}}
 LLAMA = "gguf"   # (l)'s row: it computes with the GGUF's own weights, not in a --dtypes dtype
 
 
@@ -106,6 +113,8 @@ def parse_args(argv=None):
     ap.add_argument("--single-output-len", type=int, default=133)
     ap.add_argument("--single-repeats", type=int, default=3, help="--single: best of this many")
     ap.add_argument("--quick", action="store_true", help="8 requests of 8 prompt and 8 output tokens")
+    ap.add_argument("--sampling", action="store_true",
+                    help="the served systems sample (temperature 0.7, top-p 0.9) instead of greedy decoding")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the served systems (a), (v), (l) this many times in turn and judge the goals on "
                          "the median of each round's ratio (not with --single)")
@@ -183,18 +192,20 @@ class Client:
     stream: object
 
 
-def openai_client(url: str) -> Client:
-    """pagedserve and vLLM: OpenAI /v1/completions with their token-id extensions."""
+def openai_client(url: str, sampled: bool = False) -> Client:
+    """pagedserve and vLLM: OpenAI /v1/completions with their token-id extensions (`sampled`: --sampling's)."""
     model = C.get_json(f"{url}/v1/models")["data"][0]["id"]
-    return Client(lambda s, p, n: C.complete_greedy(s, url, model, p, n),
+    sampling = SAMPLING["openai"] if sampled else None
+    return Client(lambda s, p, n: C.complete_greedy(s, url, model, p, n, sampling),
                   lambda s, p, n: C.complete_greedy_scored(s, url, model, p, n),
-                  lambda p, n: (f"{url}/v1/completions", C.greedy_body(model, p, n, stream=True)))
+                  lambda p, n: (f"{url}/v1/completions", C.greedy_body(model, p, n, stream=True, sampling=sampling)))
 
 
-def llama_client(url: str) -> Client:
+def llama_client(url: str, sampled: bool = False) -> Client:
     import llamacpp_anchor as L
-    return Client(lambda s, p, n: L.complete(s, url, p, n), lambda s, p, n: L.complete_scored(s, url, p, n),
-                  lambda p, n: (f"{url}/completion", L.body(p, n, stream=True)))
+    sampling = SAMPLING["llama"] if sampled else None
+    return Client(lambda s, p, n: L.complete(s, url, p, n, sampling), lambda s, p, n: L.complete_scored(s, url, p, n),
+                  lambda p, n: (f"{url}/completion", L.body(p, n, stream=True, sampling=sampling)))
 
 
 def _session():
@@ -470,6 +481,8 @@ def report_rounds(args, trace, rounds: list[dict], failures: list[dict]) -> None
                   f"median {middle:.2f}{verdict(goal, remark, middle)}")
     differ = 0
     for i, (r, failed) in enumerate(zip(rounds[1:], failures[1:]), start=2):
+        if args.sampling:   # (each round draws anew)
+            break
         for (key, dtype), why in failed.items():
             print(f"round {i}: ({key}) {dtype} not run: {why}")
         for (key, dtype), run in r.items():
@@ -479,7 +492,7 @@ def report_rounds(args, trace, rounds: list[dict], failures: list[dict]) -> None
                 if n:
                     print(f"round {i}: ({key}) {dtype}: {n} of {len(trace)} requests' tokens differ from round 1's "
                           f"({'; '.join(where)}{' ...' if n > len(where) else ''})")
-    if not differ:
+    if not differ and not args.sampling:
         later = "round 2" if len(rounds) == 2 else f"rounds 2-{len(rounds)}"
         print(f"{later}: every system's tokens identical to its own in round 1")
 
@@ -487,6 +500,9 @@ def report_rounds(args, trace, rounds: list[dict], failures: list[dict]) -> None
 def report_tokens(args, runs, count: int, outputs_of) -> None:
     """float32: (a)'s tokens against every other system's; reduced precision: every system against
     transformers' one-at-a-time reference."""
+    if args.sampling:
+        print("token check: none (--sampling: each system draws with its own generator)")
+        return
     for dtype in args.dtypes:
         if dtype == "float32" and ("a", dtype) in runs:
             ours = outputs_of(runs["a", dtype])
@@ -538,15 +554,18 @@ def main(argv=None) -> int:
         trace = C.make_trace(args.num_requests, args.seed, VOCAB_SIZE, args.workload,
                              (C.PROMPT_RANGE[0], args.max_prompt_len), (C.OUTPUT_RANGE[0], args.max_output_len))
     reduced = [d for d in args.dtypes if d != "float32"]
-    k = min(args.agreement_requests, len(trace))
+    k = 0 if args.sampling else min(args.agreement_requests, len(trace))
+    if args.sampling and set(args.systems) - set(SERVED):
+        raise SystemExit(f"--sampling runs the served systems only ({', '.join(SERVED)}), not {args.systems}")
     print(C.machine_line(args.num_threads))
     print(C.cpu_check(args.num_threads))
     if args.single:
         print(f"single request: seed {args.seed}, {len(req.prompt_ids)} prompt tokens, {req.output_len} output tokens")
     else:
         print(f"trace: seed {args.seed}, workload {args.workload}: {C.describe_trace(trace)}")
-    print(f"model: SmolLM2-135M-Instruct, dtypes {', '.join(args.dtypes)} (llama.cpp: the GGUF's Q4_1), greedy, "
-          f"EOS ignored; systems {args.systems}, all in this run, one after another")
+    print(f"model: SmolLM2-135M-Instruct, dtypes {', '.join(args.dtypes)} (llama.cpp: the GGUF's Q4_1), "
+          f"{'sampled ' + str(SAMPLING['openai']) if args.sampling else 'greedy'}, EOS ignored; "
+          f"systems {args.systems}, all in this run, one after another")
     print(f"(a) and (c): batch size {args.max_num_seqs}, step budget {args.max_num_batched_tokens} tokens "
           f"({'given' if args.server_flags else 'the server defaults'})")
 
@@ -581,7 +600,7 @@ def main(argv=None) -> int:
                     C.Timer.note(f"pagedserve {dtype} ready; running (a)")
                     version = C.get_json(server.url + "/version")
                     pool_tokens[dtype] = version["num_device_blocks"] * version["block_size"]
-                    this["a", dtype] = asyncio.run(job(openai_client(server.url), f"(a) pagedserve {dtype}", scored))
+                    this["a", dtype] = asyncio.run(job(openai_client(server.url, args.sampling), f"(a) pagedserve {dtype}", scored))
                 except Exception as exc:   # reported, not hidden
                     C.progress_done()
                     failed["a", dtype] = f"{type(exc).__name__}: {str(exc)[-600:]}"
@@ -647,7 +666,7 @@ def run_vllm(args, dtype: str, job, runs, failures, scored: bool) -> None:
     try:
         vllm.wait_ready()
         C.Timer.note(f"vLLM {dtype} ready; running (v)")
-        runs["v", dtype] = asyncio.run(job(openai_client(vllm.url), f"(v) vLLM {dtype}", scored))
+        runs["v", dtype] = asyncio.run(job(openai_client(vllm.url, args.sampling), f"(v) vLLM {dtype}", scored))
     except Exception as exc:   # reported, not hidden
         C.progress_done()
         failures["v", dtype] = f"{type(exc).__name__}: {str(exc)[-600:]}"
@@ -675,7 +694,7 @@ def run_llama(args, trace, job, runs, failures, scored: bool, slots: list[int]) 
             server.wait_ready()
             C.Timer.note(f"llama-server -np {np_} ready; running (l)")
             # the log-prob pass once, on the first -np tried, only when a reference needs it
-            tried.append((np_, asyncio.run(job(llama_client(server.url), f"(l) llama.cpp -np {np_}",
+            tried.append((np_, asyncio.run(job(llama_client(server.url, args.sampling), f"(l) llama.cpp -np {np_}",
                                                    scored and not tried))))
         except Exception as exc:   # reported, not hidden
             C.progress_done()

@@ -46,6 +46,18 @@ def test_throughput_quick():
     assert "round 2: every system's tokens identical to its own in round 1" in out, out
 
 
+@pytest.mark.slow
+def test_throughput_sampled_quick():
+    """--sampling: the served requests sample, each round reports its rate, and no token check is made
+    where every system draws its own tokens."""
+    out = run_bench("throughput.py", "--dtypes", "float32", "--systems", "a", "--sampling", "--rounds", "2")
+    assert "sampled {'temperature': 0.7, 'top_p': 0.9" in out, out
+    assert re.search(r"^  \(a\) float32\s+[0-9.]+\s+[0-9.]+$", out, re.M), out
+    assert "token check: none (--sampling" in out and "identical to its own" not in out, out
+    with pytest.raises(SystemExit, match="served systems only"):
+        throughput_module().main(["--quick", "--sampling", "--systems", "ab"])
+
+
 def throughput_module():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
