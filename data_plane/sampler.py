@@ -151,16 +151,16 @@ def _kernel_draws(logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list
     kernel = cpu_kernels.load()
     if kernel is None or not hasattr(kernel, "sample_draws"):
         return {}
-    params = torch.zeros(logits.shape[0], 4, dtype=torch.float32)
-    params[:, 0] = 1.0   # (rows without draws: any temperature)
+    params = [[1.0, 0, 1.0, 0.0]] * logits.shape[0]   # (rows without draws: any temperature)
     draw_rows, us = [], []
     for i in sampled:
         spec = rows[i].spec
-        params[i] = torch.tensor([spec.temperature, max(spec.top_k, 0), spec.top_p, spec.min_p])
+        params[i] = [spec.temperature, max(spec.top_k, 0), spec.top_p, spec.min_p]
         for j in range(rows[i].num_draws):
             draw_rows.append(i)
             us.append(_uniform(draw_seed(spec.seed, j), rows[i].num_outputs))
-    tokens = kernel.sample_draws(logits, params, torch.tensor(draw_rows), torch.tensor(us, dtype=torch.float64)).tolist()
+    tokens = kernel.sample_draws(logits, torch.tensor(params, dtype=torch.float32), torch.tensor(draw_rows),
+                                 torch.tensor(us, dtype=torch.float64)).tolist()
     drawn: dict[int, list[int]] = {}
     for i, token in zip(draw_rows, tokens):
         drawn.setdefault(i, []).append(token)

@@ -155,6 +155,11 @@ int64_t draw_row(const float* x, int64_t V, const Params& p, double u, std::vect
                  std::vector<float>& sums, std::vector<int32_t>& kept) {
   const float m = row_max(x, V);
   if (!std::isfinite(m)) return -1;
+  if (!std::isfinite(p.inv_t)) {   // a temperature so small that 1 / T overflows: the limit, the first max
+    int64_t i = 0;
+    while (x[i] != m) ++i;
+    return i;
+  }
   w.resize(V);
   sums.resize((V + kChunk - 1) / kChunk);
   const bool top_k = p.top_k > 0 && p.top_k < V, top_p = p.top_p < 1.f;
@@ -195,6 +200,7 @@ int64_t draw_row(const float* x, int64_t V, const Params& p, double u, std::vect
     n = j;
   }
   kept.resize(n);
+  if (kept.empty()) return -1;   // (never: the max token's weight, 1, passes every threshold)
   if (p.min_p > 0.f)   // (the first, the max token, has weight 1)
     kept.erase(std::remove_if(kept.begin() + 1, kept.end(), [&](int32_t i) { return w[i] < p.min_p; }), kept.end());
   std::sort(kept.begin(), kept.end());

@@ -130,3 +130,11 @@ def test_a_seeded_tokens_u_is_fixed_by_seed_and_index_and_uniform():
     assert abs(sum(us) / len(us) - 0.5) < 0.02
     assert abs(sum(u < 0.1 for u in us) / len(us) - 0.1) < 0.02
     assert not math.isclose(sampler._uniform(7, 0), sampler._uniform(8, 0))
+
+
+def test_a_temperature_whose_inverse_overflows_takes_the_first_max(kernel):
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.99, 1.9]])
+    for t in (1e-40, 1e-30):   # 1 / T overflows float32, then it does not (the weights still leave token 1 alone)
+        got = kernel.sample_draws(logits, torch.tensor([[t, 0, 0.9, 0.0]]), torch.zeros(1, dtype=torch.long),
+                                  torch.tensor([0.99], dtype=torch.float64))
+        assert int(got) == 1
