@@ -1,15 +1,15 @@
 """Turns the logits of the sampled rows into tokens; logits never leave the device.
 
 A sampled row (temperature > 0) keeps the tokens that its top-k, top-p and min-p let through (`_filter`),
-then draws one by a single uniform number u: the first token, in token order, at which the running sum of
-the kept probabilities passes u. On the CPU, pagedserve_kernels/cpu/sampler.cpp does all of it in one call
-for the step's draws, without sorting or writing the 49,152 probabilities of a row; elsewhere (and for a
-row it turns down) torch's operations do the same, to the same token but where u falls within rounding of
-a boundary between two tokens.
+then draws one by the exponential race: the first largest p_i / E_i over the kept tokens, with E_i = -ln U_i
+and U_i a 32-bit hash of token i under the draw's key (`_noise`), which picks token i with probability p_i.
+On the CPU, pagedserve_kernels/cpu/sampler.cpp does all of it in one call for the step's draws, without sorting
+or writing the 49,152 probabilities of a row; elsewhere (and for a row it turns down) torch's operations do the
+same, to the same token but where two tokens' ratios tie within rounding.
 
-Reproducibility: a seeded sequence's k-th output token takes its u from (seed, k) alone, so the same seed
+Reproducibility: a seeded sequence's k-th output token takes its key from (seed, k) alone, so the same seed
 gives the same tokens whatever else is in the batch, and after a preemption that recomputes the sequence
-from scratch.
+from scratch; a change in the last bits of the logits moves the winner only where two ratios nearly tie.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from shared.protocol import SamplingSpec, draw_seed
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads consecutive seeds apart
 _MASK64 = (1 << 63) - 1
-_BITS64 = (1 << 64) - 1
 
 
 @dataclass
@@ -60,15 +59,30 @@ def _token_seed(seed: int, index: int) -> int:
     return (seed * _SEED_MIX + index * 1_000_003 + 1) & _MASK64
 
 
-def _uniform(seed: int | None, index: int) -> float:
-    """The u in [0, 1) of a seeded sequence's index-th token: splitmix64's output function over the token's
-    seed, its top 53 bits (the same on every machine); unseeded, Python's own generator."""
-    if seed is None:
-        return random.random()
-    z = (_token_seed(seed, index) + _SEED_MIX) & _BITS64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _BITS64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _BITS64
-    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+def _key(seed: int | None, index: int) -> int:
+    """The 64-bit key of a sequence's index-th token's noise: from (seed, index) alone, or, unseeded, from
+    Python's generator."""
+    return random.getrandbits(64) if seed is None else _token_seed(seed, index)
+
+
+_MIX = (0x7FEB352D, 0x1B873593)   # (each under 2^31: a 32-bit value times one fits in int64)
+_BITS32 = (1 << 32) - 1
+
+
+def _mix32(v: torch.Tensor) -> torch.Tensor:
+    v = v ^ (v >> 16)
+    v = (v * _MIX[0]) & _BITS32
+    v = v ^ (v >> 15)
+    v = (v * _MIX[1]) & _BITS32
+    return v ^ (v >> 16)
+
+
+def _noise(vocab: int, key: int, device) -> torch.Tensor:
+    """E_i = -ln U_i (float32 [vocab]) for U_i = (floor(h_i / 2^9) + 1/2) / 2^23, h_i a 32-bit hash of token i
+    under the key: the kernel's integer steps, in int64."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)
+    h = _mix32(_mix32(ids ^ (key & _BITS32)) ^ ((key >> 32) & _BITS32))
+    return -torch.log(((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23)))
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -131,15 +145,11 @@ def _filter(logits: torch.Tensor, spec: SamplingSpec) -> torch.Tensor:
     return logits
 
 
-def _draw(probs: torch.Tensor, u: float) -> int:
-    """The first token at which the running sum of probs passes u times their sum (torch's route); where
-    rounding leaves none, the last of positive probability (token 0 where there is none: a row of NaN)."""
-    cum = probs.double().cumsum(0)
-    token = int(torch.searchsorted(cum, cum[-1:] * u, right=True))
-    if token < probs.shape[0] and bool(probs[token] > 0):
-        return token
-    positive = torch.nonzero(probs > 0)
-    return int(positive[-1]) if positive.numel() else 0
+def _draw(probs: torch.Tensor, key: int) -> int:
+    """The exponential race's token (torch's route): the first largest probs / E (token 0 where there is none:
+    a row of NaN)."""
+    ratios = probs / _noise(probs.shape[0], key, probs.device)
+    return int(torch.argmax(torch.nan_to_num(ratios, nan=-1.0)))
 
 
 def _kernel_draws(logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list[int]]:
@@ -152,15 +162,15 @@ def _kernel_draws(logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list
     if kernel is None or not hasattr(kernel, "sample_draws"):
         return {}
     params = [[1.0, 0, 1.0, 0.0]] * logits.shape[0]   # (rows without draws: any temperature)
-    draw_rows, us = [], []
+    draw_rows, keys = [], []
     for i in sampled:
         spec = rows[i].spec
         params[i] = [spec.temperature, max(spec.top_k, 0), spec.top_p, spec.min_p]
         for j in range(rows[i].num_draws):
             draw_rows.append(i)
-            us.append(_uniform(draw_seed(spec.seed, j), rows[i].num_outputs))
+            keys.append(_key(draw_seed(spec.seed, j), rows[i].num_outputs))
     tokens = kernel.sample_draws(logits, torch.tensor(params, dtype=torch.float32), torch.tensor(draw_rows),
-                                 torch.tensor(us, dtype=torch.float64)).tolist()
+                                 torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys])).tolist()
     drawn: dict[int, list[int]] = {}
     for i, token in zip(draw_rows, tokens):
         drawn.setdefault(i, []).append(token)
@@ -243,7 +253,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampleOutpu
             tokens = drawn.get(i)
             if tokens is None:
                 probs = _filter(logits[i], spec).softmax(-1)
-                tokens = [_draw(probs, _uniform(draw_seed(spec.seed, j), row.num_outputs)) for j in range(row.num_draws)]
+                tokens = [_draw(probs, _key(draw_seed(spec.seed, j), row.num_outputs)) for j in range(row.num_draws)]
             logprobs = (logits[i, tokens] - lse[i]).tolist()
         top: list[tuple[int, float]] = []
         if spec.logprobs > 0:

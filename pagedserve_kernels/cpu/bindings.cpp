@@ -17,7 +17,7 @@ at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Ten
                         at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 at::Tensor silu_mul(at::Tensor gate_up);
 std::vector<at::Tensor> greedy_logsumexp(at::Tensor logits);
-at::Tensor sample_draws(at::Tensor logits, at::Tensor params, at::Tensor rows, at::Tensor u);
+at::Tensor sample_draws(at::Tensor logits, at::Tensor params, at::Tensor rows, at::Tensor keys);
 at::Tensor coded_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
                         c10::optional<at::Tensor> one_row);
 at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins,
@@ -64,7 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_store", &rotary_store, "q of qkv [T, (H + 2Hk) D] rotated into [T, H, D]; k rotated and v stored in the caches at slots (float32 or bfloat16)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of gate_up [T, 2I] (float32)");
   m.def("greedy_logsumexp", &greedy_logsumexp, "per row of float32 or bfloat16 logits [R, V]: max, its first index, log-sum-exp (float32)");
-  m.def("sample_draws", &sample_draws, "per draw (its row of float32 logits [R, V], u in [0, 1)): the token under the row's temperature, top-k, top-p and min-p (params [R, 4]); -1 where the row has a NaN or no finite logit (pagedserve_kernels/cpu/sampler.cpp)");
+  m.def("sample_draws", &sample_draws, "per draw (its row of float32 logits [R, V], the int64 key of its noise): the exponential race's token under the row's temperature, top-k, top-p and min-p (params [R, 4]); -1 where the row has a NaN or no finite logit (pagedserve_kernels/cpu/sampler.cpp)");
   m.def("write_kv", &write_kv, "k, v [T, Hk, D] into the caches at their slots (-1: skipped; float32 or bfloat16)");
   // one_row (bool [M], optional): the bfloat16 rows to sum as oneDNN sums a call of one row (simd.h)
   m.def("coded_linear", &coded_linear, "x [M, K] . W^T with W held as Q4_1 or Q8_0 codes (ops/quantized.py); x float32, or bfloat16 with W rounded to bfloat16",
