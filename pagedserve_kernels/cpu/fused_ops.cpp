@@ -311,36 +311,8 @@ void greedy_rows(const T* lp, int64_t rows, int64_t vocab, float* bp, int64_t* i
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = lp + r * vocab;
       // the max (and whether any NaN), then the first position that holds it
-      float m = to_float(x[0]);
       bool nan = false;
-      int64_t i = 0;
-#ifdef PAGEDSERVE_AVX512
-      __m512 mx = _mm512_set1_ps(m);
-      __mmask16 unordered = 0;
-      for (; i + 16 <= vocab; i += 16) {
-        const __m512 v = pagedserve::load16(x + i);
-        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        mx = _mm512_max_ps(mx, v);
-      }
-      m = _mm512_reduce_max_ps(mx);
-      nan = unordered != 0;
-#elif defined(PAGEDSERVE_AVX2)
-      __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
-      for (; i + 8 <= vocab; i += 8) {
-        const __m256 v = pagedserve::load8(x + i);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        mx = _mm256_max_ps(mx, v);
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, mx);
-      for (const float v : lanes) m = v > m ? v : m;
-      nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-      for (; i < vocab; ++i) {
-        const float xi = to_float(x[i]);
-        nan |= xi != xi;
-        m = xi > m ? xi : m;
-      }
+      const float m = pagedserve::row_max(x, vocab, nan);
       int64_t at = 0;
 #ifdef PAGEDSERVE_AVX512
       for (const __m512 mv = _mm512_set1_ps(m); at + 16 <= vocab; at += 16) {
@@ -357,7 +329,7 @@ void greedy_rows(const T* lp, int64_t rows, int64_t vocab, float* bp, int64_t* i
       bp[r] = m;
       ip[r] = at < vocab ? at : 0;
       if (nan || !std::isfinite(m)) { sp[r] = std::numeric_limits<float>::quiet_NaN(); continue; }
-      i = 0;
+      int64_t i = 0;
       float sum = 0.f;
 #ifdef PAGEDSERVE_AVX512
       const __m512 mv = _mm512_set1_ps(m);

@@ -40,40 +40,6 @@ struct Params {
   float min_p;     // > 0: on
 };
 
-// the largest logit of the row; NaN where any is NaN
-float row_max(const float* x, int64_t V) {
-  float m = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  int64_t i = 0;
-#ifdef PAGEDSERVE_AVX512
-  __m512 mx = _mm512_set1_ps(m);
-  __mmask16 unordered = 0;
-  for (; i + 16 <= V; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    mx = _mm512_max_ps(mx, v);
-  }
-  m = _mm512_reduce_max_ps(mx);
-  nan = unordered != 0;
-#elif defined(PAGEDSERVE_AVX2)
-  __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
-  for (; i + 8 <= V; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    mx = _mm256_max_ps(mx, v);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mx);
-  for (const float v : lanes) m = v > m ? v : m;
-  nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-  for (; i < V; ++i) {
-    nan |= x[i] != x[i];
-    m = x[i] > m ? x[i] : m;
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
-}
-
 // w[i] = exp((x[i] - m) * inv_t), 0 where that is under `floor`. Returns the row's total: each chunk's sum,
 // the chunks added in order in double.
 double weights(const float* x, int64_t V, float m, float inv_t, float floor, float* w) {
@@ -255,8 +221,9 @@ void gather(const float* w, int64_t V, float threshold, std::vector<int32_t>& ou
 // One draw: the race's token of the row x under the filters for the key, or -1 (a NaN, or no finite logit)
 int64_t draw_row(const float* x, int64_t V, const Params& p, uint64_t key, std::vector<float>& w,
                  std::vector<int32_t>& kept) {
-  const float m = row_max(x, V);
-  if (!std::isfinite(m)) return -1;
+  bool nan = false;
+  const float m = pagedserve::row_max(x, V, nan);
+  if (nan || !std::isfinite(m)) return -1;
   if (!std::isfinite(p.inv_t)) {   // a temperature so small that 1 / T overflows: the limit, the first max
     int64_t i = 0;
     while (x[i] != m) ++i;

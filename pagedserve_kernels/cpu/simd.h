@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace pagedserve {
 
@@ -170,3 +171,44 @@ inline void store8(bf16* p, __m256 v) {
 
 }  // namespace pagedserve
 #endif
+
+namespace pagedserve {
+
+// The largest of n float32 or bfloat16 values (as float32), and whether any is NaN (the largest is then
+// meaningless): the first pass of the greedy log-sum-exp and of the sampler over a row of logits
+template <typename T>
+inline float row_max(const T* x, int64_t n, bool& nan) {
+  float m = -std::numeric_limits<float>::infinity();
+  nan = false;
+  int64_t i = 0;
+#if defined(PAGEDSERVE_AVX512)
+  __m512 mx = _mm512_set1_ps(m);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
+  m = _mm512_reduce_max_ps(mx);
+  nan = unordered != 0;
+#elif defined(PAGEDSERVE_AVX2)
+  __m256 mx = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (const float v : lanes) m = v > m ? v : m;
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < n; ++i) {
+    const float xi = to_float(x[i]);
+    nan |= xi != xi;
+    m = xi > m ? xi : m;
+  }
+  return m;
+}
+
+}  // namespace pagedserve
