@@ -40,26 +40,22 @@ struct Params {
   float min_p;     // > 0: on
 };
 
-// w[i] = exp((x[i] - m) * inv_t), 0 where that is under `floor`. Returns the row's total: each chunk's sum,
-// the chunks added in order in double.
-double weights(const float* x, int64_t V, float m, float inv_t, float floor, float* w) {
+// w[i] = exp((x[i] - m) * inv_t). Returns the row's total: each chunk's sum, the chunks added in order in double.
+double weights(const float* x, int64_t V, float m, float inv_t, float* w) {
   int64_t i = 0;
   double total = 0;
 #ifdef PAGEDSERVE_AVX512
-  const __m512 mv = _mm512_set1_ps(m), tv = _mm512_set1_ps(inv_t), fv = _mm512_set1_ps(floor);
+  const __m512 mv = _mm512_set1_ps(m), tv = _mm512_set1_ps(inv_t);
   for (; i + kChunk <= V; i += kChunk) {
-    __m512 e = pagedserve::exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), tv));
-    e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e, fv, _CMP_GE_OQ), e);
+    const __m512 e = pagedserve::exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), tv));
     _mm512_storeu_ps(w + i, e);
     total += _mm512_reduce_add_ps(e);
   }
 #elif defined(PAGEDSERVE_AVX2)
-  const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(inv_t), fv = _mm256_set1_ps(floor);
+  const __m256 mv = _mm256_set1_ps(m), tv = _mm256_set1_ps(inv_t);
   for (; i + kChunk <= V; i += kChunk) {
-    __m256 a = pagedserve::exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv), tv));
-    __m256 b = pagedserve::exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv), tv));
-    a = _mm256_and_ps(a, _mm256_cmp_ps(a, fv, _CMP_GE_OQ));
-    b = _mm256_and_ps(b, _mm256_cmp_ps(b, fv, _CMP_GE_OQ));
+    const __m256 a = pagedserve::exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv), tv));
+    const __m256 b = pagedserve::exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv), tv));
     _mm256_storeu_ps(w + i, a);
     _mm256_storeu_ps(w + i + 8, b);
     total += pagedserve::hsum8(_mm256_add_ps(a, b));
@@ -68,8 +64,7 @@ double weights(const float* x, int64_t V, float m, float inv_t, float floor, flo
   for (; i < V; i += kChunk) {   // the last, partial chunk (every chunk without SIMD)
     float s = 0.f;
     for (int64_t j = i; j < std::min(V, i + kChunk); ++j) {
-      const float e = std::exp((x[j] - m) * inv_t);
-      w[j] = e >= floor ? e : 0.f;
+      w[j] = std::exp((x[j] - m) * inv_t);
       s += w[j];
     }
     total += s;
@@ -234,7 +229,7 @@ int64_t draw_row(const float* x, int64_t V, const Params& p, uint64_t key, std::
   // min-p alone is a floor on the weights; after top-k or top-p it applies to what they kept
   if (!top_k && !top_p) return race_all(x, V, m, p.inv_t, p.min_p, k0, k1);
   w.resize(V);
-  const double total = weights(x, V, m, p.inv_t, 0.f, w.data());
+  const double total = weights(x, V, m, p.inv_t, w.data());
   // the largest tokens, enough for the filter: a weight of 2^-12, then 2^-24, 2^-36, then any positive
   float threshold = 1.f / 4096;
   for (int attempt = 0;; ++attempt) {
