@@ -115,12 +115,12 @@ class ModelRunner:
                                                      -(-self.max_model_len // self.block_size), graph_buckets,
                                                      device, capture, self.backend)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB, K/V of %d of %d layers) on %s; attention ops: %s; "
-                 "forward: %s; linear layers: %d read as GGUF codes, %d with the few-row kernel, %d with prepacked "
-                 "GEMM, %d in the order of torch's own bfloat16 GEMM", self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20,
+                 "forward: %s; linear layers: %d read as GGUF codes, %d as float32 panels, %d with the few-row "
+                 "kernel, %d with prepacked GEMM, %d in the order of torch's own bfloat16 GEMM", self.num_blocks, self.block_size, self.num_blocks * self.block_bytes / 2**20,
                  self.num_kv_layers, self.num_layers, device,
                  self.backend.describe(),
                  "pagedserve's Llama forward" if self.lean else f"transformers' ({why_not})",
-                 routes["codes"], routes["kernel"], routes["packed"], routes["dots"])
+                 routes["codes"], routes["panels"], routes["kernel"], routes["packed"], routes["dots"])
         if self.states is not None:
             log.info("state pool: %d slots of %.1f KiB (layers %s)%s; no prefix caching for a model with state "
                      "layers", self.states.num_slots, self.states.slot_bytes / 1024, sorted(self.states.states),

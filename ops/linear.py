@@ -29,6 +29,9 @@ float32:
   with F16C): over all of SmolLM2's Q4_1 layers it was 2.2x the routes below at 1 row, 2.0x at 16, 1.3x at
   64 and 1.06x at 512 (AVX-512); 3.7x at 1 row, 1.8x at 16 and 1.4x at 64 (AVX2 alone, bench/route_rows.py
   --dtype float32);
+- other float32 weights go through the same kernel's tiles where it is vectorized, from a copy laid out once
+  at start in its panels (`panel_linear`): every row count, each output the same FMA chain over k as with
+  codes, so a row's result does not depend on its batch (MKL's GEMM below is slowest at decode's row counts);
 - else, 1..SKINNY_MAX_ROWS rows: the few-row kernel (pagedserve_kernels/cpu/skinny_linear.cpp), which streams each
   weight row once at about the memory's bandwidth;
 - more rows: MKL's GEMM on a weight packed once at start (`torch.ops.mkl._mkl_linear`, the op
@@ -147,9 +150,13 @@ class RoutedLinear:
                 and codes.rounds_to(self.kernel, weight) else None
         # a bfloat16 weight's codes in their plain layout (ops/greedy_head.py reads them), or None
         self.plain_codes = self.codes if not wide else None
+        # a float32 weight without codes, laid out once in the panels of the codes kernel's tiles, which then
+        # serve every row count (where that kernel is vectorized); None elsewhere
+        self.panel = kernel.panel_pack(weight.detach()) if packed and wide and self.codes is None \
+            and self.kernel is not None and self.kernel.has_coded_simd() and weight.shape[0] % 16 == 0 else None
         # bfloat16 keeps a copy laid out for many rows beside the codes (for the AVX512-BF16 kernel where
-        # it is the route, else oneDNN's); float32 codes serve every row count
-        many_rows = packed and (self.codes is None or not wide)
+        # it is the route, else oneDNN's); float32 codes and panels serve every row count
+        many_rows = packed and (self.codes is None or not wide) and self.panel is None
         self.dot = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.kernel is not None \
             and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
         self.packed = _pack(weight) if many_rows and self.dot is None and not self.dots else None
@@ -170,7 +177,7 @@ class RoutedLinear:
         count; bfloat16's AVX512-BF16 kernel and its codes, both in oneDNN's order; the kernels in the order of
         torch's own GEMM). Not the few-row kernel against MKL's or oneDNN's GEMM above it."""
         if self.weight.dtype == torch.float32:
-            return self.codes is not None
+            return self.codes is not None or self.panel is not None
         return self.weight.dtype == torch.bfloat16 and (self.dots or self.dot is not None)
 
     @property
@@ -223,6 +230,9 @@ class RoutedLinear:
                 packed = self.packed
                 return lambda x, one_row=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
             return lambda x, one_row=None: F.linear(x, weight, bias)
+        if self.panel is not None:
+            panel, n = self.panel, weight.shape[0]
+            return lambda x, one_row=None: kernel.panel_linear(x, panel, n)
         if kernel is not None and rows <= self.skinny_max_rows:
             return lambda x, one_row=None: kernel.skinny_linear(x, weight)
         if self.packed is not None:
@@ -307,8 +317,8 @@ def kernel_for(weights) -> object | None:
 def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS,
                   packed: bool | None = None, codes: bool | dict = True) -> dict[str, int]:
     """Route the float32 and bfloat16 CPU `nn.Linear` layers of `model`: float32 ones through the kernel
-    reading codes (`codes`, where a weight is exactly GGUF codes expanded), the few-row kernel (up to
-    `skinny_max_rows` rows) and the packed GEMM; bfloat16 ones through oneDNN's packed GEMM (`packed`:
+    reading codes (`codes`, where a weight is exactly GGUF codes expanded), else its panels (`packed`), else
+    the few-row kernel (up to `skinny_max_rows` rows) and the packed GEMM; bfloat16 ones through oneDNN's packed GEMM (`packed`:
     None uses packing where the library has it), reading codes where `codes` (a dict from module to
     the codes found before the model was narrowed: ops/quantized.codes_by_module) gives them; returns
     how many layers each route took over (0 each when none is available). Calling it again re-routes."""
@@ -326,13 +336,16 @@ def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS
 
 
 def route_counts(linears) -> dict[str, int]:
-    """How many of the RoutedLinear `linears` read codes, take the few-row kernel (those without
-    codes; they take the packed GEMM above its rows too) and have a weight laid out for a GEMM (oneDNN's
-    or the AVX512-BF16 kernel's), and take bfloat16 products in the order of torch's own GEMM."""
-    counts = {"codes": 0, "kernel": 0, "packed": 0, "dots": 0}
+    """How many of the RoutedLinear `linears` read codes, read float32 panels (every row count), take the
+    few-row kernel (float32 weights with neither; they take the packed GEMM above its rows too) and have a
+    weight laid out for a GEMM (oneDNN's or the AVX512-BF16 kernel's), and take bfloat16 products in the
+    order of torch's own GEMM."""
+    counts = {"codes": 0, "panels": 0, "kernel": 0, "packed": 0, "dots": 0}
     for routed in linears:
         counts["codes"] += routed.codes is not None or routed.dots_codes is not None
-        counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.weight.dtype == torch.float32
+        counts["panels"] += routed.panel is not None
+        counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.panel is None \
+            and routed.weight.dtype == torch.float32
         counts["packed"] += routed.packed is not None or routed.dot is not None
         counts["dots"] += routed.dots
     return counts

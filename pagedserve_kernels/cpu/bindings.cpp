@@ -24,6 +24,8 @@ at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
                               c10::optional<at::Tensor> one_row);
 at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::Tensor> mins);
 bool has_coded_simd();
+at::Tensor panel_pack(at::Tensor w);
+at::Tensor panel_linear(at::Tensor x, at::Tensor packed, int64_t N);
 bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
@@ -74,6 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("mins"),
         pybind11::arg("one_row") = pybind11::none());
   m.def("coded_expand", &coded_expand, "the float32 weights [N, K] that Q4_1 or Q8_0 codes stand for");
+  m.def("panel_pack", &panel_pack, "float32 W [N, K] laid out once for panel_linear (the tiles' panels)");
+  m.def("panel_linear", &panel_linear, "x [M, K] . W^T for float32 W from panel_pack: each output the FMA chain over k in order, as coded_linear");
   m.def("has_coded_simd", &has_coded_simd, "whether coded_linear is vectorized in this build (AVX-512; else a scalar loop)");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has bf16_linear (the AVX512-BF16 dot product)");
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");

@@ -320,9 +320,12 @@ void chunk_rows8(const float* x, const float* buf, float* acc, int64_t M, int64_
   }
 }
 
-template <typename T>
-void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t groups) {
-  const int64_t K = w.K, N = groups * kGroup;
+// every row of x over the columns of groups [0, groups), two groups at a time, each chunk of inputs
+// [k0, k1) taken from chunk(g0, count, k0, k1, buf): a pointer to its weights, kWide8 floats per input
+// (the codes expanded into buf, or a panel laid out once at start)
+template <typename T, typename Chunk>
+void chunked_rows8(const float* x, T* y, int64_t M, int64_t K, int64_t groups, Chunk chunk) {
+  const int64_t N = groups * kGroup;
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     float* const buf = thread_buffer(kChunk8 * kWide8 + M * kWide8);   // a chunk's weights, then the sums
     float* const acc = buf + kChunk8 * kWide8;
@@ -330,14 +333,22 @@ void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t grou
       const int64_t g0 = 2 * p, count = std::min<int64_t>(2, groups - g0);
       for (int64_t k0 = 0; k0 < K; k0 += kChunk8) {
         const int64_t k1 = std::min(K, k0 + kChunk8);
-        expand_chunk8<T>(w, g0, count, k0, k1, buf, kWide8);
+        const float* weights = chunk(g0, count, k0, k1, buf);
         for (int64_t v = 0; v < count; ++v)
-          chunk_rows8(x, buf + v * kGroup, acc + v * kGroup, M, k0, k1, K);
+          chunk_rows8(x, weights + v * kGroup, acc + v * kGroup, M, k0, k1, K);
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t u = 0; u < 2 * count; ++u)
           pagedserve::store8(y + m * N + g0 * kGroup + 8 * u, _mm256_loadu_ps(acc + m * kWide8 + 8 * u));
     }
+  });
+}
+
+template <typename T>
+void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t groups) {
+  chunked_rows8(x, y, M, w.K, groups, [&](int64_t g0, int64_t count, int64_t k0, int64_t k1, float* buf) {
+    expand_chunk8<T>(w, g0, count, k0, k1, buf, kWide8);
+    return static_cast<const float*>(buf);
   });
 }
 #endif
@@ -748,6 +759,69 @@ at::Tensor coded_expand(at::Tensor codes, at::Tensor scales, c10::optional<at::T
     }
   });
   return out;
+}
+
+// Plain float32 weights (no codes) through the same tiles: laid out once at start as the expansion
+// would lay them out, panel by panel, so that a product skips the expansion and reads the panels as
+// they are. Each output is the same FMA chain over k in order at every row count, as with codes: a
+// row's result does not depend on the batch it comes in. The width of a panel is the build's: 48
+// outputs for the AVX-512 tiles, 32 for the AVX2 chunks.
+namespace {
+#ifdef PAGEDSERVE_CODES_AVX2
+constexpr int64_t kPackWidth = kWide8;
+#else
+constexpr int64_t kPackWidth = kPanel;
+#endif
+
+void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* name) {
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
+              packed.size(0) == (N + kPackWidth - 1) / kPackWidth && packed.size(1) == K &&
+              packed.size(2) == kPackWidth, name, ": packed [ceil(N / ", kPackWidth, "), K, ", kPackWidth,
+              "] float32 from panel_pack");
+}
+}  // namespace
+
+// w [N, K] float32 (N a multiple of 16) -> its panels [ceil(N / width), K, width], zero where N ends
+at::Tensor panel_pack(at::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(0) % kGroup == 0,
+              "panel_pack: w [N, K] float32, contiguous, N a multiple of 16");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPackWidth - 1) / kPackWidth;
+  auto out = at::empty({panels, K, kPackWidth}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::fill(op, op + panels * K * kPackWidth, 0.f);
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kPackWidth && p * kPackWidth + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k) op[(p * K + k) * kPackWidth + c] = wp[(p * kPackWidth + c) * K + k];
+  });
+  return out;
+}
+
+// y [M, N] = x [M, K] . W^T for W laid out by panel_pack; x float32
+at::Tensor panel_linear(at::Tensor x, at::Tensor packed, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "panel_linear: x [M, K] float32");
+  TORCH_CHECK(N > 0 && N % kGroup == 0, "panel_linear: N a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), groups = N / kGroup;
+  check_packed(packed, N, K, "panel_linear");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+#if defined(PAGEDSERVE_CODES_AVX2)
+  chunked_rows8(xp, yp, M, K, groups, [&](int64_t g0, int64_t, int64_t k0, int64_t, float*) {
+    return pp + ((g0 / 2) * K + k0) * kWide8;
+  });
+#elif defined(PAGEDSERVE_AVX512)
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_product(xp, pp + p * K * kPanel, yp, M, p * kPanel, std::min(kPanelGroups, groups - p * kPanelGroups), K, N);
+  });
+#else
+  TORCH_CHECK(false, "panel_linear: this build has no vectorized tiles (has_coded_simd)");
+#endif
+  return y;
 }
 
 // whether coded_linear runs vectorized here (AVX-512, or AVX2 with F16C): elsewhere it is a scalar loop,

@@ -166,7 +166,7 @@ def test_the_layers_read_codes_for_few_rows_where_they_sum_in_torchs_order(kerne
     other = linear.RoutedLinear(wrong, None, kernel, packed=True, codes=codes)
     assert other.dots and other.dots_codes is None
     assert linear._dots_codes(kernel, codes, wrong) is None and linear._dots_codes(kernel, codes, w) is not None
-    assert linear.route_counts([routed, other]) == {"codes": 1, "kernel": 0, "packed": 0, "dots": 2}
+    assert linear.route_counts([routed, other]) == {"codes": 1, "panels": 0, "kernel": 0, "packed": 0, "dots": 2}
 
 
 def test_bad_codes_are_refused(kernel):

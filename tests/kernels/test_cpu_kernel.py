@@ -234,8 +234,9 @@ def test_model_layers_route_by_rows_and_keep_hooks(kernel, monkeypatch):
         few, many = torch.randn(1, 3, 40), torch.randn(1, 20, 40)
         expect_few, expect_many = model(few), model(many)
         packed = linear.has_packed_gemm()
-        # the layer with a bias never takes the kernel (it adds no bias); every layer takes packed GEMM
-        assert linear.route_linears(model) == {"codes": 0, "kernel": 2, "packed": 3 if packed else 0, "dots": 0}
+        # the layer with a bias never takes the kernel (it adds no bias); no output count is a multiple of 16
+        # (the panels' groups), so every layer takes packed GEMM
+        assert linear.route_linears(model) == {"codes": 0, "panels": 0, "kernel": 2, "packed": 3 if packed else 0, "dots": 0}
         calls, gemm_rows = [], []
         real = kernel.skinny_linear
         monkeypatch.setattr(kernel, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
@@ -328,7 +329,7 @@ def test_a_model_with_no_eligible_layer_routes_nothing_and_builds_nothing(monkey
     from ops import linear
     monkeypatch.setattr(cpu_kernels, "load", lambda: pytest.fail("the kernel must not be loaded"))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=True), torch.nn.Linear(8, 4).to(torch.bfloat16))
-    assert linear.route_linears(model, packed=False) == {"codes": 0, "kernel": 0, "packed": 0, "dots": 0}
+    assert linear.route_linears(model, packed=False) == {"codes": 0, "panels": 0, "kernel": 0, "packed": 0, "dots": 0}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
