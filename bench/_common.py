@@ -342,15 +342,15 @@ def bench_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_hf_model(num_threads: int, attn_implementation: str = "sdpa", device=None):
-    """SmolLM2 in float32 through transformers' own loader, as the data plane loads it; on `device`,
-    by default bench_device()."""
+def load_hf_model(num_threads: int, attn_implementation: str = "sdpa", device=None, path: str | None = None):
+    """SmolLM2 (or the model at `path`) in float32 through transformers' own loader, as the data plane
+    loads it; on `device`, by default bench_device()."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from shared.config import default_model_path, split_model_path
     torch.set_num_threads(num_threads)
-    folder, gguf_file = split_model_path(default_model_path())
+    folder, gguf_file = split_model_path(path or default_model_path())
     Timer.note("loading the transformers model")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)

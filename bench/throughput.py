@@ -5,8 +5,9 @@ or, with --single, one request alone.
     python bench/throughput.py --num-requests 64 --workload exp64    # the issue's trace
     python bench/throughput.py --single           # one request: 57 prompt tokens, 133 output tokens
     python bench/throughput.py --quick            # CI-sized: 8 requests of 8 prompt and 8 output tokens
+    python bench/throughput.py --model DIR --systems av   # another model (bench/random_model.py writes one)
 
-Systems, all on SmolLM2-135M-Instruct, greedy, EOS ignored so every request produces exactly its
+Systems, all on SmolLM2-135M-Instruct (or --model), greedy, EOS ignored so every request produces exactly its
 drawn number of tokens; (a), (b), (c) and (v) run once per dtype of --dtypes:
   (a) pagedserve through its REST API: a `serve` subprocess, a real aiohttp client, every
       request in flight at once;
@@ -21,6 +22,9 @@ drawn number of tokens; (a), (b), (c) and (v) run once per dtype of --dtypes:
       its Q4_1 weights (so once, whatever --dtypes): `-t N -tb N -np SLOTS -cb`, tried at each
       --llama-np and reported at its best, as a user tuning it would.
 (v) and (l) are skipped with a clear "not run" line when they are not set up.
+--model DIR: a safetensors folder instead of SmolLM2 for (a), (b), (c), (v) and the reference, with
+SmolLM2's vocabulary or a larger one (the traces draw token ids from it); (l) then runs --llama-gguf, the
+same model converted (llama.cpp's convert_hf_to_gguf.py), and is not run without it.
 (a) runs at the server's defaults unless --max-num-seqs / --max-num-batched-tokens are given.
 Workloads: "mixed", "alpaca" and "sharegpt" are described in _common.WORKLOADS, clipped at
 --max-prompt-len / --max-output-len; "exp64" is the trace vLLM was first measured on here:
@@ -80,6 +84,10 @@ def parse_args(argv=None):
     ap.add_argument("--workload", default="mixed", choices=["mixed", "exp64", *sorted(C.WORKLOADS)])
     ap.add_argument("--batch-size", type=int, default=32, help="static batch size of (b)")
     ap.add_argument("--num-threads", type=int, default=2, help="threads of every system")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a safetensors folder to serve instead of SmolLM2's GGUF (by (l): --llama-gguf)")
+    ap.add_argument("--llama-gguf", default=None, metavar="FILE",
+                    help="with --model: the same model as a GGUF file for (l)")
     ap.add_argument("--systems", default=SYSTEMS, help="which of a, b, c, v, l to run")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated dtypes of (a), (b), (c) and (v), each run in turn")
@@ -130,6 +138,14 @@ def parse_args(argv=None):
             ap.error(f"--dtypes: {d!r} is not float32, bfloat16 or float16")
     if set(args.systems) - set(SYSTEMS):
         ap.error(f"--systems: {args.systems!r} has letters other than {SYSTEMS}")
+    if args.model is not None:
+        vocab = _vocab_size(args.model)
+        if vocab is None or vocab < VOCAB_SIZE:
+            ap.error(f"--model: {args.model} has no config.json with a vocab_size of at least {VOCAB_SIZE} "
+                     f"(the traces' token ids are SmolLM2's; bench/random_model.py writes such a model)")
+        args.model = os.path.abspath(args.model)
+    if args.llama_gguf is not None and (args.model is None or not os.path.isfile(args.llama_gguf)):
+        ap.error("--llama-gguf: a GGUF file of --model's model (without --model, (l) runs the default model's)")
     args.llama_np = [int(n) for n in args.llama_np.split(",") if n]
     if not args.llama_np or min(args.llama_np) < 1:
         ap.error("--llama-np: a comma-separated list of positive slot counts")
@@ -140,6 +156,15 @@ def parse_args(argv=None):
     args.max_num_seqs = args.max_num_seqs or ControlPlaneConfig.max_num_seqs
     args.max_num_batched_tokens = args.max_num_batched_tokens or ControlPlaneConfig.max_num_batched_tokens
     return args
+
+
+def _vocab_size(folder: str) -> int | None:
+    import json
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def exp64_trace(num_requests: int, seed: int) -> list:
@@ -405,7 +430,11 @@ def names(args) -> dict[str, str]:
             else "(b) transformers generate",
             "c": "(c) transformers continuous batching (generation thread)",
             "v": "(v) vLLM CPU build, REST API, both cores bound",
-            "l": "(l) llama.cpp llama-server, Q4_1 GGUF" + ("" if args.single else ", best -np")}
+            "l": f"(l) llama.cpp llama-server, {_gguf_name(args)}" + ("" if args.single else ", best -np")}
+
+
+def _gguf_name(args) -> str:
+    return "Q4_1 GGUF" if args.llama_gguf is None else os.path.basename(args.llama_gguf)
 
 
 def table_keys(args, keys: str = SYSTEMS):
@@ -511,7 +540,7 @@ def report_tokens(args, runs, count: int, outputs_of) -> None:
                 if other is not None:
                     n, where = compare(ours, outputs_of(other))
                     detail = f" ({'; '.join(where)}{' ...' if n > len(where) else ''})" if n else ""
-                    note = "  [(l) computes with Q4_1 weights]" if key == "l" else ""
+                    note = f"  [(l) computes with {_gguf_name(args)}'s weights]" if key == "l" else ""
                     print(f"token check (a) vs ({key}) float32: {n} of {count} requests differ, "
                           f"{count - n}/{count} identical{detail}{note}")
         ref = runs.get(("r", dtype))
@@ -521,7 +550,7 @@ def report_tokens(args, runs, count: int, outputs_of) -> None:
             for key in "abcvl":
                 run = runs.get((key, LLAMA if key == "l" else dtype))
                 if run is not None:
-                    label = f"({key}) {'Q4_1 GGUF' if key == 'l' else dtype}"
+                    label = f"({key}) {_gguf_name(args) if key == 'l' else dtype}"
                     print(f"  {label:<16} {agreement(ref.scored, outputs_of(run)[:k], run.scored)}")
 
 
@@ -563,7 +592,7 @@ def main(argv=None) -> int:
         print(f"single request: seed {args.seed}, {len(req.prompt_ids)} prompt tokens, {req.output_len} output tokens")
     else:
         print(f"trace: seed {args.seed}, workload {args.workload}: {C.describe_trace(trace)}")
-    print(f"model: SmolLM2-135M-Instruct, dtypes {', '.join(args.dtypes)} (llama.cpp: the GGUF's Q4_1), "
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct'}, dtypes {', '.join(args.dtypes)} (llama.cpp: {_gguf_name(args)}), "
           f"{'sampled ' + str(SAMPLING['openai']) if args.sampling else 'greedy'}, EOS ignored; "
           f"systems {args.systems}, all in this run, one after another")
     print(f"(a) and (c): batch size {args.max_num_seqs}, step budget {args.max_num_batched_tokens} tokens "
@@ -591,10 +620,11 @@ def main(argv=None) -> int:
             scored = first and dtype != "float32" and k > 0
             if "a" in args.systems:
                 pool = [] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)]
+                chosen = [] if args.model is None else ["--model", args.model]
                 server = C.start_server(args.num_threads,
-                                        [*args.server_flags, *pool, "--dtype", dtype, *args.serve_flag])
+                                        [*args.server_flags, *pool, *chosen, "--dtype", dtype, *args.serve_flag])
                 if model is None and (hf_systems or (reduced and k > 0)):   # loads while the data plane loads its own
-                    model = C.load_hf_model(args.num_threads)
+                    model = C.load_hf_model(args.num_threads, path=args.model)
                 try:
                     server.wait_ready()
                     C.Timer.note(f"pagedserve {dtype} ready; running (a)")
@@ -621,7 +651,7 @@ def main(argv=None) -> int:
         if not (hf_systems or want_ref):
             continue
         if model is None:
-            model = C.load_hf_model(args.num_threads)
+            model = C.load_hf_model(args.num_threads, path=args.model)
         import torch
         hf = model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
         if "b" in args.systems:
@@ -657,12 +687,12 @@ def main(argv=None) -> int:
 
 def run_vllm(args, dtype: str, job, runs, failures, scored: bool) -> None:
     import vllm_anchor
-    python, why_not = vllm_anchor.find()
+    python, why_not = vllm_anchor.find(args.model)
     if python is None:
         failures["v", dtype] = why_not
         return
     C.Timer.note(f"starting vLLM {dtype} (its first start at a dtype compiles the model: minutes)")
-    vllm = vllm_anchor.VllmServer(python, C.free_port(), args.num_threads, dtype)
+    vllm = vllm_anchor.VllmServer(python, C.free_port(), args.num_threads, dtype, model=args.model)
     try:
         vllm.wait_ready()
         C.Timer.note(f"vLLM {dtype} ready; running (v)")
@@ -681,6 +711,8 @@ def run_llama(args, trace, job, runs, failures, scored: bool, slots: list[int]) 
     import llamacpp_anchor as L
     from shared.config import default_model_path
     binary, why_not = L.find()
+    if args.model is not None and args.llama_gguf is None:
+        binary, why_not = None, "--model without --llama-gguf: no GGUF of that model"
     if binary is None:
         failures["l", LLAMA] = why_not
         return None
@@ -688,7 +720,8 @@ def run_llama(args, trace, job, runs, failures, scored: bool, slots: list[int]) 
     ctx = max(args.llama_ctx_per_slot, max(len(r.prompt_ids) + r.output_len for r in trace))
     tried, errors, no_repack = [], [], False
     for np_ in [1] if args.single else slots:
-        server = L.LlamaServer(binary, default_model_path(), C.free_port(), args.num_threads, np_, ctx)
+        server = L.LlamaServer(binary, args.llama_gguf or default_model_path(), C.free_port(), args.num_threads,
+                               np_, ctx)
         no_repack = server.no_repack
         try:
             server.wait_ready()

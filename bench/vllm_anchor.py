@@ -21,11 +21,14 @@ MODEL_DIR = os.environ.get("PAGEDSERVE_VLLM_MODEL", os.path.join(CACHE, "smollm2
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
-def find() -> tuple[str | None, str]:
-    """(the venv's python, "") when vLLM can run here, else (None, why not)."""
+def find(model: str | None = None) -> tuple[str | None, str]:
+    """(the venv's python, "") when vLLM can run here (on `model`, a safetensors folder, by default SmolLM2's),
+    else (None, why not)."""
     python = os.path.join(VENV, "bin", "python")
     if not os.path.exists(python):
         return None, f"no vLLM venv at {VENV} (run bench/vllm_setup.sh)"
+    if model is not None:
+        return (python, "") if os.path.isdir(model) else (None, f"vLLM serves a folder, and {model} is not one")
     if not os.path.exists(os.path.join(MODEL_DIR, "model.safetensors")):
         return None, f"no float32 SmolLM2 folder at {MODEL_DIR} (run bench/vllm_setup.sh)"
     return python, ""
@@ -41,14 +44,14 @@ class VllmServer(C.AnchorProcess):
     """vLLM's OpenAI server on `port`; the same HTTP client as pagedserve's reaches it."""
 
     def __init__(self, python: str, port: int, num_threads: int, dtype: str = "float32",
-                 kv_cache_gib: float = 1.0):
-        self.model = MODEL_DIR
+                 kv_cache_gib: float = 1.0, model: str | None = None):
+        self.model = model or MODEL_DIR
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{num_threads - 1}",
                # the same KV memory as pagedserve's default CPU pool (1 GiB)
                "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
                "LD_PRELOAD": _preload(),
                "TOKENIZERS_PARALLELISM": "false"}
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL_DIR,
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--dtype", dtype, "--port", str(port), "--disable-log-stats"]
         super().__init__("vLLM", cmd, port, env)
 

@@ -58,6 +58,22 @@ def test_throughput_sampled_quick():
         throughput_module().main(["--quick", "--sampling", "--systems", "ab"])
 
 
+@pytest.mark.slow
+def test_throughput_quick_on_another_model(tmp_path):
+    """--model: a folder of plain float weights (bench/random_model.py), served by pagedserve and checked
+    against transformers on the same folder; llama-server, which runs the default GGUF only, says so."""
+    folder = str(tmp_path / "model")
+    made = subprocess.run([sys.executable, os.path.join("bench", "random_model.py"), folder, "--hidden-size", "128",
+                           "--layers", "2", "--intermediate-size", "256", "--heads", "4", "--kv-heads", "2",
+                           "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and "wrote" in made.stdout, made.stdout + made.stderr[-3000:]
+    out = run_bench("throughput.py", "--dtypes", "float32", "--systems", "abl", "--model", folder)
+    assert f"model: {folder}," in out, out
+    assert number_after(r"ratio \(a\)/\(b\) float32:", out) > 0
+    assert "token check (a) vs (b) float32: 0 of 8 requests differ" in out, out
+    assert re.search(r"\(l\) llama.cpp.*not run: --model without --llama-gguf: no GGUF of that model", out), out
+
+
 def throughput_module():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
@@ -75,7 +91,8 @@ def test_throughput_arguments():
     single = parse(["--single"])
     assert single.single and (single.single_prompt_len, single.single_output_len) == (57, 133)
     for bad in (["--dtypes", "float32,int8"], ["--systems", "ax"], ["--llama-np", "0"], ["--rounds", "0"],
-                ["--rounds", "2", "--single"]):
+                ["--rounds", "2", "--single"], ["--model", "/nonexistent"],
+                ["--llama-gguf", __file__]):
         with pytest.raises(SystemExit):
             parse(bad)
 
