@@ -44,6 +44,8 @@ larger, but the untouched pages are never resident). The packed format does not 
 count: a weight packed for 64 rows gives, for every count from 2 to 1000, the same result as one
 packed for that count (measured on SmolLM2's shapes), so one packed copy serves every step; the op
 falls back to `F.linear` unless it is told the rows it was packed for, so each call passes its own.
+The float32 panels take the weight's memory too, with the outputs rounded up to a whole panel (48, or 32 on
+AVX2).
 """
 from __future__ import annotations
 
