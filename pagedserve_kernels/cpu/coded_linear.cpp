@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -778,6 +779,8 @@ void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* na
               packed.size(0) == (N + kPackWidth - 1) / kPackWidth && packed.size(1) == K &&
               packed.size(2) == kPackWidth, name, ": packed [ceil(N / ", kPackWidth, "), K, ", kPackWidth,
               "] float32 from panel_pack");
+  // the AVX-512 tiles load the panels with aligned loads, as their own buffer (thread_buffer)
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0, name, ": packed 64-byte aligned (panel_pack's)");
 }
 }  // namespace
 

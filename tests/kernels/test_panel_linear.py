@@ -59,4 +59,8 @@ def test_the_panels_refuse_what_does_not_fit(tiles):
         tiles.panel_linear(torch.randn(2, 8), packed, 96)        # more outputs than its panels hold
     with pytest.raises(RuntimeError, match="float32"):
         tiles.panel_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, 32)
+    shifted = torch.empty(packed.numel() + 1)[1:].view(packed.shape)   # contiguous, 4 bytes off its alignment
+    shifted.copy_(packed)
+    with pytest.raises(RuntimeError, match="aligned"):
+        tiles.panel_linear(torch.randn(2, 8), shifted, 32)
     assert tiles.panel_linear(torch.randn(0, 8), packed, 32).shape == (0, 32)
