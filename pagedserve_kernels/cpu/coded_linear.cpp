@@ -774,6 +774,34 @@ constexpr int64_t kPackWidth = kWide8;
 constexpr int64_t kPackWidth = kPanel;
 #endif
 
+#ifdef PAGEDSERVE_CODES_AVX2
+// A few rows over a whole panel of 32 outputs (4 registers), the sums in registers from k = 0 to K - 1:
+// the same FMA chains as the chunks, whose sums wait in memory between chunks (the same bits), but four
+// chains a row in flight where a chunk's tile keeps two, and no round trip of the sums; up to
+// kPanelDirectRows8 rows, in tiles of two (8 sums, 4 weights and 2 broadcasts of the 16 registers). With
+// more rows each tile rereads the panel from L2, and the chunks (re-read from L1) are as fast or faster.
+constexpr int64_t kPanelDirectRows8 = 32;
+
+template <int R>
+void panel_tile8(const float* x, const float* panel, float* y, int64_t m0, int64_t n0, int64_t cols, int64_t K,
+                 int64_t N) {
+  __m256 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[4];
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(panel + k * kWide8 + 8 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xb = _mm256_set1_ps(xr[i * K + k]);
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(xb, w[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4 && 8 * v < cols; ++v) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * v, acc[i][v]);
+}
+#endif
+
 void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* name) {
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
               packed.size(0) == (N + kPackWidth - 1) / kPackWidth && packed.size(1) == K &&
@@ -813,6 +841,18 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor packed, int64_t N) {
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #if defined(PAGEDSERVE_CODES_AVX2)
+  if (M <= kPanelDirectRows8) {
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = std::min<int64_t>(kWide8, N - p * kWide8);
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+          if (M - m0 >= 2) panel_tile8<2>(xp, pp + p * K * kWide8, yp, m0, p * kWide8, cols, K, N);
+          else panel_tile8<1>(xp, pp + p * K * kWide8, yp, m0, p * kWide8, cols, K, N);
+        }
+      }
+    });
+    return y;
+  }
   chunked_rows8(xp, yp, M, K, groups, [&](int64_t g0, int64_t, int64_t k0, int64_t, float*) {
     return pp + ((g0 / 2) * K + k0) * kWide8;
   });
