@@ -32,6 +32,16 @@ def tiny_model_dir(tmp_path_factory, smollm_path):
 
 
 @pytest.fixture(scope="session")
+def heavier_model_dir(tmp_path_factory, smollm_path):
+    """The tiny model's kind, wider and deeper (hidden 1024, 4 layers, 16 query and 4 KV heads): its steps take
+    tens of milliseconds, so that a test can catch a batch half way or a request outlasting a deadline
+    without racing the tiny model's few milliseconds a step."""
+    from tests.helpers import save_tiny_model
+    return save_tiny_model(str(tmp_path_factory.mktemp("heavier-llama")), smollm_path, hidden=1024, layers=4,
+                           heads=16, kv_heads=4)
+
+
+@pytest.fixture(scope="session")
 def smol_tokenizer(smollm_path):
     """SmolLM2's tokenizer (its chat template prints only roles and contents: no tools)."""
     from transformers import AutoTokenizer

@@ -40,11 +40,12 @@ def tiny_llama_config(vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, 
                        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
-def save_tiny_model(folder: str, smollm_path: str) -> str:
-    """The tests' tiny random 2-layer Llama, saved in `folder` with SmolLM2's tokenizer (so that the
-    control plane can tokenize); returns the folder."""
+def save_tiny_model(folder: str, smollm_path: str, **sizes) -> str:
+    """The tests' tiny random 2-layer Llama (or `sizes` other than its own: tiny_llama_config's), saved in
+    `folder` with SmolLM2's tokenizer (so that the control plane can tokenize); returns the folder."""
     from transformers import AutoTokenizer
-    model = tiny_llama(vocab_size=49152, hidden=256, heads=4, kv_heads=2, layers=2, max_pos=512)
+    model = tiny_llama(**{"vocab_size": 49152, "hidden": 256, "heads": 4, "kv_heads": 2, "layers": 2, "max_pos": 512,
+                          **sizes})
     model.save_pretrained(folder)
     tok_dir, gguf = os.path.split(smollm_path)
     AutoTokenizer.from_pretrained(tok_dir, gguf_file=gguf).save_pretrained(folder)

@@ -23,11 +23,12 @@ LONG = {"prompt": "Write a very long story", "max_tokens": 480, "ignore_eos": Tr
 
 
 @pytest.fixture(scope="module")
-def started(tiny_model_dir, tmp_path_factory):
+def started(heavier_model_dir, tmp_path_factory):
     """Two servers loading at once: one for deadlines that is then shut down with no grace period
-    (its requests are aborted at once), and one that drains on shutdown."""
+    (its requests are aborted at once), and one that drains on shutdown. Both serve the heavier model:
+    long requests must outlast the deadlines, and a drain the probe sent during it, on any machine."""
     tmp = str(tmp_path_factory.mktemp("lifecycle"))
-    common = ["--model", tiny_model_dir, "--num-threads", "1", "--kv-cache-blocks", "256"]
+    common = ["--model", heavier_model_dir, "--num-threads", "1", "--kv-cache-blocks", "256"]
     servers = {"deadline": Server("deadline", common + ["--request-timeout", "2", "--shutdown-grace", "0"], tmp),
                "drain": Server("drain", common + ["--shutdown-grace", "60"], tmp)}
     try:
@@ -88,8 +89,8 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks(started):
 def test_the_server_limit_caps_a_longer_body_timeout(started):
     server = started["deadline"].wait_ready()
     t0 = time.monotonic()
-    # 6 samples of 480 tokens: more work than the 2 s cap, however fast the machine runs the tiny model
-    # (one sequence of 480 tokens took under 2 s on a quiet machine)
+    # 6 samples of 480 tokens: far more work than the 2 s cap on the heavier model (the tiny one's steps came
+    # within it once its float32 products went through the panels)
     body = {**LONG, "n": 6, "temperature": 1.0, "seed": 3, "timeout": 100}   # 6 x 480 fits the 256-block pool
     status, text = asyncio.run(fetch("POST", server.url + "/v1/completions", body))
     assert status == 504 and "request_timeout" in text
