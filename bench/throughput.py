@@ -144,8 +144,10 @@ def parse_args(argv=None):
             ap.error(f"--model: {args.model} has no config.json with a vocab_size of at least {VOCAB_SIZE} "
                      f"(the traces' token ids are SmolLM2's; bench/random_model.py writes such a model)")
         args.model = os.path.abspath(args.model)
-    if args.llama_gguf is not None and (args.model is None or not os.path.isfile(args.llama_gguf)):
-        ap.error("--llama-gguf: a GGUF file of --model's model (without --model, (l) runs the default model's)")
+    if args.llama_gguf is not None:
+        if args.model is None or not os.path.isfile(args.llama_gguf):
+            ap.error("--llama-gguf: a GGUF file of --model's model (without --model, (l) runs the default model's)")
+        args.llama_gguf = os.path.abspath(args.llama_gguf)
     args.llama_np = [int(n) for n in args.llama_np.split(",") if n]
     if not args.llama_np or min(args.llama_np) < 1:
         ap.error("--llama-np: a comma-separated list of positive slot counts")
