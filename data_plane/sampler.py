@@ -60,9 +60,9 @@ def _token_seed(seed: int, index: int) -> int:
 
 
 def _key(seed: int | None, index: int) -> int:
-    """The 64-bit key of a sequence's index-th token's noise: from (seed, index) alone, or, unseeded, from
-    Python's generator."""
-    return random.getrandbits(64) if seed is None else _token_seed(seed, index)
+    """The key (63 bits, as a seeded one: it fits the kernel's int64) of a sequence's index-th token's noise:
+    from (seed, index) alone, or, unseeded, from Python's generator."""
+    return random.getrandbits(63) if seed is None else _token_seed(seed, index)
 
 
 _MIX = (0x7FEB352D, 0x1B873593)   # (each under 2^31: a 32-bit value times one fits in int64)
@@ -170,7 +170,7 @@ def _kernel_draws(logits: torch.Tensor, rows: list[SampleRow]) -> dict[int, list
             draw_rows.append(i)
             keys.append(_key(draw_seed(spec.seed, j), rows[i].num_outputs))
     tokens = kernel.sample_draws(logits, torch.tensor(params, dtype=torch.float32), torch.tensor(draw_rows),
-                                 torch.tensor([k - (1 << 64) if k >= 1 << 63 else k for k in keys])).tolist()
+                                 torch.tensor(keys)).tolist()
     drawn: dict[int, list[int]] = {}
     for i, token in zip(draw_rows, tokens):
         drawn.setdefault(i, []).append(token)

@@ -802,9 +802,12 @@ void panel_tile8(const float* x, const float* panel, float* y, int64_t m0, int64
 }
 #endif
 
+// the panels that hold N outputs
+int64_t panels_of(int64_t N) { return (N + kPackWidth - 1) / kPackWidth; }
+
 void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* name) {
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
-              packed.size(0) == (N + kPackWidth - 1) / kPackWidth && packed.size(1) == K &&
+              packed.size(0) == panels_of(N) && packed.size(1) == K &&
               packed.size(2) == kPackWidth, name, ": packed [ceil(N / ", kPackWidth, "), K, ", kPackWidth,
               "] float32 from panel_pack");
   // the AVX-512 tiles load the panels with aligned loads, as their own buffer (thread_buffer)
@@ -816,7 +819,7 @@ void check_packed(const at::Tensor& packed, int64_t N, int64_t K, const char* na
 at::Tensor panel_pack(at::Tensor w) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(0) % kGroup == 0,
               "panel_pack: w [N, K] float32, contiguous, N a multiple of 16");
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPackWidth - 1) / kPackWidth;
+  const int64_t N = w.size(0), K = w.size(1), panels = panels_of(N);
   auto out = at::empty({panels, K, kPackWidth}, w.options());
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
