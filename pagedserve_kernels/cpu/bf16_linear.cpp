@@ -10,7 +10,9 @@
 // lane l holding (W[16g + l, 2j], W[16g + l, 2j + 1]): one 64-byte load feeds one VDPBF16PS for 16
 // outputs. A panel is up to 4 groups (64 outputs); a thread runs its tiles of up to 6 rows of x over it
 // with 6 x 4 sixteen-lane accumulators: per input pair, 4 loads of weights and 6 broadcasts of x's pair
-// feed 24 dot products. The panel (K / 2 * 256 bytes) stays in L2 for all the tiles.
+// feed 24 dot products. The panel (K / 2 * 256 bytes) stays in L2 for all the tiles; where a panel takes
+// more than one tile, they ask for the thread's next panel meanwhile (a few rows are bound by the memory's reads,
+// which would otherwise stop while the later tiles run from L2).
 #include "aten.h"
 
 #include <algorithm>
@@ -31,8 +33,10 @@ using pagedserve::bf16;
 // y[m0 .. m0 + R, 16 n0g .. 16 (n0g + V)) from groups [n0g, n0g + V) of the packed weight, in oneDNN's
 // order (simd.h): the registers sum one chunk of inputs from zero; the chunks before it wait in `done`.
 // one_row (or nullptr): the rows summed as a one-row call sums them, whose chunks end more often.
+// ahead: the tile's share of the thread's next panel to ask for into L2, over the pairs (simd.h).
 template <int R, int V>
-void tile(const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0, int64_t n0g, int64_t K, int64_t N) {
+void tile(const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0, int64_t n0g, int64_t K, int64_t N,
+          pagedserve::Ahead ahead) {
   __m512 acc[R][V];
   alignas(64) float done[R][V][kGroup];
   bool started[R] = {};   // whether `done` holds a chunk yet
@@ -55,6 +59,7 @@ void tile(const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0
       __m512bh wv[V];
       for (int v = 0; v < V; ++v)
         wv[v] = (__m512bh)_mm512_loadu_si512(wg + (v * pairs + j) * 2 * kGroup);
+      ahead.step();
       for (int i = 0; i < R; ++i) {
         int32_t two;
         std::memcpy(&two, xr + i * K + 2 * j, 4);
@@ -72,14 +77,14 @@ void tile(const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0
 
 template <int V>
 void tile_rows(int64_t rows, const bf16* x, const bf16* w, bf16* y, const bool* one_row, int64_t m0, int64_t n0g,
-               int64_t K, int64_t N) {
+               int64_t K, int64_t N, pagedserve::Ahead ahead) {
   switch (rows) {
-    case 1: tile<1, V>(x, w, y, one_row, m0, n0g, K, N); break;
-    case 2: tile<2, V>(x, w, y, one_row, m0, n0g, K, N); break;
-    case 3: tile<3, V>(x, w, y, one_row, m0, n0g, K, N); break;
-    case 4: tile<4, V>(x, w, y, one_row, m0, n0g, K, N); break;
-    case 5: tile<5, V>(x, w, y, one_row, m0, n0g, K, N); break;
-    default: tile<kTileRows, V>(x, w, y, one_row, m0, n0g, K, N); break;
+    case 1: tile<1, V>(x, w, y, one_row, m0, n0g, K, N, ahead); break;
+    case 2: tile<2, V>(x, w, y, one_row, m0, n0g, K, N, ahead); break;
+    case 3: tile<3, V>(x, w, y, one_row, m0, n0g, K, N, ahead); break;
+    case 4: tile<4, V>(x, w, y, one_row, m0, n0g, K, N, ahead); break;
+    case 5: tile<5, V>(x, w, y, one_row, m0, n0g, K, N, ahead); break;
+    default: tile<kTileRows, V>(x, w, y, one_row, m0, n0g, K, N, ahead); break;
   }
 }
 #endif
@@ -126,13 +131,18 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor
       const int64_t a = std::max(u0, p * M) - p * M, b = std::min(u1, (p + 1) * M) - p * M;
       const int64_t g0 = p * kPanelGroups, count = std::min(kPanelGroups, groups - g0);
       const int64_t tiles = (b - a + kTileRows - 1) / kTileRows;
+      // the thread's next panel, if its run goes on to one, asked for into L2 while the tiles run over this one
+      // (simd.h: where it pays), the lines shared out among the tiles in order
+      const int64_t next = std::min(kPanelGroups, groups - g0 - kPanelGroups);
+      const int64_t bytes = (p + 1) * M < u1 && next > 0 ? pagedserve::ahead_bytes(next * K * kGroup * 2, tiles) : 0;
       for (int64_t t = 0, m0 = a; t < tiles; ++t) {
         const int64_t rows = (b - a) / tiles + (t < (b - a) % tiles ? 1 : 0);
+        const pagedserve::Ahead ahead(wp + (g0 + kPanelGroups) * K * kGroup, bytes, t, tiles, K / 2);
         switch (count) {
-          case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-          case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-          case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
-          default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N); break;
+          case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N, ahead); break;
+          case 2: tile_rows<2>(rows, xp, wp, yp, ones, m0, g0, K, N, ahead); break;
+          case 3: tile_rows<3>(rows, xp, wp, yp, ones, m0, g0, K, N, ahead); break;
+          default: tile_rows<4>(rows, xp, wp, yp, ones, m0, g0, K, N, ahead); break;
         }
         m0 += rows;
       }

@@ -238,9 +238,10 @@ void expand(const Weights& w, int64_t g0, int64_t groups, float* buf) {
 }
 
 #ifdef PAGEDSERVE_AVX512
-// y[m0 .. m0 + R, n0 .. n0 + 16 V] from the expanded panel
+// y[m0 .. m0 + R, n0 .. n0 + 16 V] from the expanded panel; ahead: lines to ask for over the inputs (simd.h)
 template <int R, int V, typename T>
-void tile(const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+void tile(const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N,
+          pagedserve::Ahead ahead) {
   __m512 acc[R][V];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -248,6 +249,7 @@ void tile(const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[V];
     for (int v = 0; v < V; ++v) w[v] = _mm512_load_ps(buf + k * kPanel + v * kGroup);
+    ahead.step();
     for (int i = 0; i < R; ++i) {
       const __m512 xb = _mm512_set1_ps(pagedserve::to_float(xr[i * K + k]));
       for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(xb, w[v], acc[i][v]);
@@ -258,16 +260,17 @@ void tile(const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_
 }
 
 template <int V, typename T>
-void tile_rows(int64_t rows, const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N) {
+void tile_rows(int64_t rows, const float* x, const float* buf, T* y, int64_t m0, int64_t n0, int64_t K, int64_t N,
+               pagedserve::Ahead ahead) {
   switch (rows) {
-    case 1: tile<1, V, T>(x, buf, y, m0, n0, K, N); break;
-    case 2: tile<2, V, T>(x, buf, y, m0, n0, K, N); break;
-    case 3: tile<3, V, T>(x, buf, y, m0, n0, K, N); break;
-    case 4: tile<4, V, T>(x, buf, y, m0, n0, K, N); break;
-    case 5: tile<5, V, T>(x, buf, y, m0, n0, K, N); break;
-    case 6: tile<6, V, T>(x, buf, y, m0, n0, K, N); break;
-    case 7: tile<7, V, T>(x, buf, y, m0, n0, K, N); break;
-    default: tile<8, V, T>(x, buf, y, m0, n0, K, N); break;
+    case 1: tile<1, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    case 2: tile<2, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    case 3: tile<3, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    case 4: tile<4, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    case 5: tile<5, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    case 6: tile<6, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    case 7: tile<7, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
+    default: tile<8, V, T>(x, buf, y, m0, n0, K, N, ahead); break;
   }
 }
 #endif
@@ -354,16 +357,22 @@ void panel_rows8(const Weights& w, const float* x, T* y, int64_t M, int64_t grou
 }
 #endif
 
-// every row of x against the panel's `groups` groups, expanded in buf
+// every row of x against the panel's `groups` groups, expanded in buf. next: the thread's next panel laid
+// out at start (panel_pack), which the tiles ask for while they run over this one (simd.h: where it pays),
+// or nullptr
 template <typename T>
 void panel_product(const float* x, const float* buf, T* y, int64_t M, int64_t n0, int64_t groups, int64_t K,
-                   int64_t N) {
+                   int64_t N, const float* next = nullptr) {
 #ifdef PAGEDSERVE_AVX512
-  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    const int64_t rows = std::min(kTileRows, M - m0);
-    if (groups == 3) tile_rows<3, T>(rows, x, buf, y, m0, n0, K, N);
-    else if (groups == 2) tile_rows<2, T>(rows, x, buf, y, m0, n0, K, N);
-    else tile_rows<1, T>(rows, x, buf, y, m0, n0, K, N);
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t bytes = next != nullptr ? pagedserve::ahead_bytes(K * kPanel * 4, tiles) : 0;
+  // tiles of near-equal rows: each asks for an equal share of the next panel, over as many FMAs as the others
+  for (int64_t m0 = 0, t = 0; t < tiles; m0 += M / tiles + (t < M % tiles ? 1 : 0), ++t) {
+    const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
+    const pagedserve::Ahead ahead(next, bytes, t, tiles, K);
+    if (groups == 3) tile_rows<3, T>(rows, x, buf, y, m0, n0, K, N, ahead);
+    else if (groups == 2) tile_rows<2, T>(rows, x, buf, y, m0, n0, K, N, ahead);
+    else tile_rows<1, T>(rows, x, buf, y, m0, n0, K, N, ahead);
   }
 #else
   for (int64_t m = 0; m < M; ++m)
@@ -862,7 +871,8 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor packed, int64_t N) {
 #elif defined(PAGEDSERVE_AVX512)
   at::parallel_for(0, packed.size(0), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      panel_product(xp, pp + p * K * kPanel, yp, M, p * kPanel, std::min(kPanelGroups, groups - p * kPanelGroups), K, N);
+      panel_product(xp, pp + p * K * kPanel, yp, M, p * kPanel, std::min(kPanelGroups, groups - p * kPanelGroups), K, N,
+                    p + 1 < p1 ? pp + (p + 1) * K * kPanel : nullptr);
   });
 #else
   TORCH_CHECK(false, "panel_linear: this build has no vectorized tiles (has_coded_simd)");

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include <unistd.h>
+
 namespace pagedserve {
 
 // e^x for x in [kExpLow, kExpHigh] (clamped to it outside: 0 below, e^kExpHigh above): x = n ln2 + r,
@@ -40,6 +42,40 @@ template <> inline bf16 from_float<bf16>(float x) {
 
 // x rounded to T and widened back: what a torch operation writing T hands to the next one
 template <typename T> inline float rounded(float x) { return to_float(from_float<T>(x)); }
+
+// Cache lines asked for into L2 ahead of their use, a few at each of a loop's `steps` steps: a panel's tiles
+// ask for the thread's next panel while they run over this one from L2, so that the memory keeps reading
+// (the hardware's streamer fetches only a little ahead of a tile) and the next panel's first tile does not
+// wait on it. A prefetch never faults: asking past the end of a tensor is harmless.
+class Ahead {
+ public:
+  Ahead() = default;
+  // tile `t` of `tiles` over a panel asks for its share of the `bytes` at `next`, in order, over `steps` steps
+  Ahead(const void* next, int64_t bytes, int64_t t, int64_t tiles, int64_t steps)
+      : line_(static_cast<const char*>(next) + bytes / 64 * t / tiles * 64),
+        lines_(bytes / 64 * (t + 1) / tiles - bytes / 64 * t / tiles), steps_(steps) {}
+  inline void step() {
+    for (owed_ += lines_; owed_ >= steps_; owed_ -= steps_, line_ += 64) __builtin_prefetch(line_, 0, 2);
+  }
+
+ private:
+  const char* line_ = nullptr;
+  int64_t lines_ = 0, steps_ = 1;
+  int64_t owed_ = 0;   // lines x steps taken, less steps x lines asked for
+};
+
+// The bytes of the thread's next panel that a panel's `tiles` tiles ask for ahead: all of them where there
+// are several tiles but few enough that the memory's reads bound them rather than their arithmetic (with
+// more, the hardware's streamer keeps up), and two panels fit in L2 (else the next one evicts this one,
+// which the later tiles read again); else none.
+constexpr int64_t kAheadTiles = 4;
+inline int64_t ahead_bytes(int64_t panel_bytes, int64_t tiles) {
+  static const int64_t l2 = [] {
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;
+  }();
+  return tiles > 1 && tiles <= kAheadTiles && 2 * panel_bytes <= l2 ? panel_bytes : 0;
+}
 
 // How oneDNN's bfloat16 GEMM sums an output over K on AVX512-BF16 without AMX (its brgemm matmul,
 // the route of torch's `F.linear` in bfloat16; v3.12's blocking for a row-major x): K in chunks of
