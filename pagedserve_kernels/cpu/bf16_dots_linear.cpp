@@ -40,6 +40,8 @@ namespace {
 
 constexpr int64_t kBlock = 64, kLanes = 8, kSums = kBlock / kLanes;
 constexpr int64_t kTileRows = 4, kTileCols = 2, kPanelCols = 32;
+// the most rows that walk each row of W (rows_walk) rather than take the tiles: from 8 rows on, the tiles were faster
+constexpr int64_t kWalkRows = 5;
 
 #ifdef PAGEDSERVE_AVX2
 using pagedserve::bf16;
@@ -116,6 +118,40 @@ void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
     sums[2 * t + 1] = _mm256_permute2f128_ps(acc_a[t], acc_b[t], 0x31);
   }
   y[n] = pagedserve::from_float<bf16>(fold(sums));
+}
+
+// R rows [m0, m0 + R) x output n, for a few rows: W's row walked twice, a pass taking half of every 64-block
+// (inputs 32 h .. 32 h + 31, vector positions 4 h .. 4 h + 3) with each row's four running sums of that half
+// in registers as two (a, b) pairs, as one_row keeps them; x widened in one_row's lane order. Each weight
+// vector is loaded and widened once for the R rows, and the row's other half comes from L1. The sums go back
+// in place and fold as one_row's: the same bits. (The tiles above walk a row once per vector position, eight
+// strided passes: with 2-5 rows they took longer.)
+template <int R>
+void rows_walk(const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n, int64_t K, int64_t N) {
+  const bf16* row = w + n * K;
+  __m256 sums[R][kSums];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc_a[R][2], acc_b[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 2; ++t) acc_a[r][t] = acc_b[r][t] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += kBlock)
+      for (int t = 0; t < 2; ++t) {
+        const int64_t at = k + 2 * (2 * h + t) * kLanes;
+        __m256 wa, wb;
+        widen16(row + at, wa, wb);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = xf + (m0 + r) * K + at;
+          acc_a[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wa, acc_a[r][t]);
+          acc_b[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + kLanes), wb, acc_b[r][t]);
+        }
+      }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 2; ++t) {
+        sums[r][2 * (2 * h + t)] = _mm256_permute2f128_ps(acc_a[r][t], acc_b[r][t], 0x20);
+        sums[r][2 * (2 * h + t) + 1] = _mm256_permute2f128_ps(acc_a[r][t], acc_b[r][t], 0x31);
+      }
+  }
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
 }
 
 // w rounded to bfloat16 (nearest, ties to even), as float32: with c = +-2^e for w's exponent e (its sign
@@ -319,13 +355,25 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   auto y = at::empty({M, N}, x.options());
 #ifdef PAGEDSERVE_AVX2
   if (M == 0 || N == 0) return y;
-  const at::Tensor widened = widen_x(x, M == 1);
+  const at::Tensor widened = widen_x(x, M <= kWalkRows);
   const float* xf = widened.data_ptr<float>();
   const auto* wp = reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   if (M == 1) {
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) one_row(xf, wp, yp, n, K);
+    });
+    return y;
+  }
+  if (M <= kWalkRows) {
+    // output by output, its row of W walked by three rows of x at a time, or two (4 rows: two and two)
+    at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m0 = 0; m0 < M;) {
+          const int64_t left = M - m0;
+          if (left >= 3 && left != 4) rows_walk<3>(xf, wp, yp, m0, n, K, N), m0 += 3;
+          else rows_walk<2>(xf, wp, yp, m0, n, K, N), m0 += 2;
+        }
     });
     return y;
   }

@@ -46,7 +46,7 @@ def _need_kernel_path(kernel):
         pytest.skip("this build has no AVX2/FMA path")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64])   # one, walked, tiles
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 5), (128, 7)])   # (K, N): tiles and remainders
 def test_the_kernel_sums_in_the_order_its_comment_gives(kernel, rows, shape):
     _need_kernel_path(kernel)
