@@ -359,8 +359,8 @@ def load_hf_model(num_threads: int, attn_implementation: str = "sdpa", device=No
 
 
 
-def default_runner(num_threads: int, listen: str, dtype: str = "float32", **settings):
-    """The data plane's ModelRunner on the default model, in this process on the CPU: loaded in float32
+def default_runner(num_threads: int, listen: str, dtype: str = "float32", path: str | None = None, **settings):
+    """The data plane's ModelRunner on the default model (or the one at `path`), in this process on the CPU: loaded in float32
     and narrowed to `dtype` by the runner after it finds the GGUF codes, as the data plane does; what the
     loading made is then frozen out of the collector's reach, as there (data_plane/collector.py).
     `settings`: other DataPlaneConfig fields (kv_cache_blocks, ...)."""
@@ -372,8 +372,8 @@ def default_runner(num_threads: int, listen: str, dtype: str = "float32", **sett
     from data_plane.model_runner import ModelRunner
     from shared.config import DataPlaneConfig, default_model_path
     collector.hold()
-    model = load_hf_model(num_threads, attn_implementation=attention.register(), device="cpu")
-    config = DataPlaneConfig(model=default_model_path(), listen=listen, dtype=dtype, **settings)
+    model = load_hf_model(num_threads, attn_implementation=attention.register(), device="cpu", path=path)
+    config = DataPlaneConfig(model=path or default_model_path(), listen=listen, dtype=dtype, **settings)
     runner = ModelRunner(model, config, torch.device("cpu"))
     collector.settle()   # as the data plane before serving
     atexit.register(collector.release)   # and unfrozen at exit, as there

@@ -3,6 +3,7 @@
     python bench/kernels_ab.py --before HEAD~2            # attention and the 120 coded products
     python bench/kernels_ab.py --before 8a47f95 --only attention
     python bench/kernels_ab.py --before HEAD~1 --only bf16 --rows 7,8,64,512
+    python bench/kernels_ab.py --before HEAD~1 --only plain --rows 1,8,16,32
 
 The revision's pagedserve_kernels/cpu/ is built into the torch extension cache under its own name (a minute the
 first time). Then, repetition by repetition, the two builds take the same inputs, so that a change in
@@ -15,6 +16,10 @@ must be equal bit for bit (a change to speed must not change results):
              inputs with --dtypes), at a few row counts (the model is loaded as the data plane loads it);
   bf16       every layer product of the bfloat16 lean forward through bf16_linear, on the weights laid out at
              start (where that kernel is the route: AVX512-BF16 without AMX), at the same row counts;
+  plain      the fused layer products of bench/random_model.py's 415M Llama (hidden 1024, MLP 4096, 16/4
+             heads, 24 layers) with random plain weights, no codes: float32 through panel_linear, bfloat16
+             through the kernel that is its route on this CPU (bf16_linear with AVX512-BF16, bf16_dots_linear
+             on AVX2 alone; oneDNN's GEMM with AMX, not compared);
   greedy     the greedy head's token and logit (pagedserve_kernels/cpu/greedy_head.cpp) for random float32 rows of
              the hidden size, at the same row counts.
 """
@@ -155,6 +160,41 @@ def bf16_products(before, after, rows_list: list[int], repeats: int, num_threads
                repeats, run_for)
 
 
+# the fused products (qkv, o, gate_up, down) of bench/random_model.py's default model, and its layers
+PLAIN_SHAPES, PLAIN_LAYERS = [(1536, 1024), (1024, 1024), (8192, 1024), (1024, 4096)], 24
+
+
+def plain_products(before, after, rows_list: list[int], repeats: int) -> None:
+    import torch
+    from ops import linear
+    gen = torch.Generator().manual_seed(4)
+    weights = [(torch.randn(n, k, generator=gen) * 0.02) for _ in range(PLAIN_LAYERS) for n, k in PLAIN_SHAPES]
+    panels = [(after.panel_pack(w), w.shape[0]) for w in weights]
+    if all(hasattr(module, "panel_linear") for module in (before, after)) and after.has_coded_simd():
+        def run_for(rows: int):
+            inputs = {k: torch.randn(rows, k, generator=gen) for _, k in PLAIN_SHAPES}
+            return lambda module: [module.panel_linear(inputs[packed.shape[1]], packed, n) for packed, n in panels]
+        rows_table(f"the {len(panels)} plain float32 products through panel_linear", before, after, rows_list,
+                   repeats, run_for)
+    del panels
+    narrow = [w.to(torch.bfloat16) for w in weights]
+    del weights
+    if linear.bf16_dot_kernel(after):
+        tensors, name = [after.bf16_pack(w) for w in narrow], "bf16_linear"
+    elif linear.bf16_dots_kernel(after):
+        tensors, name = narrow, "bf16_dots_linear"
+    else:
+        print("\nthe plain bfloat16 products: not run (oneDNN's GEMM is their route here)")
+        return
+
+    def run_bf16(rows: int):
+        inputs = {k: torch.randn(rows, k, generator=gen).to(torch.bfloat16) for _, k in PLAIN_SHAPES}
+        if name == "bf16_linear":   # (its K is the packed tensor's pairs x 2)
+            return lambda module: [module.bf16_linear(inputs[t.shape[1] * 2], t, None) for t in tensors]
+        return lambda module: [module.bf16_dots_linear(inputs[t.shape[1]], t) for t in tensors]
+    rows_table(f"the {len(tensors)} plain bfloat16 products through {name}", before, after, rows_list, repeats, run_bf16)
+
+
 def rows_table(title: str, before, after, rows_list: list[int], repeats: int, run_for) -> None:
     """One line per row count: the two builds' median ms of run_for(rows) (a function of the module)."""
     print(f"\n{title}; ms (median of {repeats})")
@@ -189,7 +229,7 @@ def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, help="a git revision whose pagedserve_kernels/cpu/ is the baseline")
-    ap.add_argument("--only", choices=("attention", "products", "bf16", "greedy"))
+    ap.add_argument("--only", choices=("attention", "products", "bf16", "plain", "greedy"))
     ap.add_argument("--rows", default="1,4,64", help="row counts of the products and the greedy head")
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--num-threads", type=int, default=2)
@@ -214,6 +254,8 @@ def main(argv=None) -> int:
                 products(before, after, rows, args.repeats, args.num_threads, dtype_name)
         if args.only in (None, "bf16"):
             bf16_products(before, after, rows, args.repeats, args.num_threads)
+        if args.only in (None, "plain"):
+            plain_products(before, after, rows, args.repeats)
         if args.only in (None, "greedy"):
             greedy(before, after, rows, args.repeats, args.num_threads)
     return 0

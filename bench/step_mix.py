@@ -3,6 +3,7 @@ process (no HTTP, no ZeroMQ), on the throughput bench's traces, with the server'
 
     python bench/step_mix.py                       # exp64, 64 requests
     python bench/step_mix.py --workload sharegpt --num-requests 64
+    python bench/step_mix.py --model DIR --dtype bfloat16   # another model (bench/random_model.py writes one)
 
 Prints the time of the steps grouped by kind (steps that prefill, decode-only steps by batch size):
 which part of the trace a change to the forward pass can win back.
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", metavar="DIR", help="a model folder (or GGUF file) instead of the default model")
     args = ap.parse_args(argv)
 
     from control_plane.block_manager import BlockManager
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
                      (C.OUTPUT_RANGE[0], 512))
     print(C.machine_line(args.num_threads))
     print(f"trace: {args.workload}, {C.describe_trace(trace)}, {args.dtype}")
-    runner = C.default_runner(args.num_threads, "inproc://mix", args.dtype)
+    runner = C.default_runner(args.num_threads, "inproc://mix", args.dtype, path=args.model and os.path.abspath(args.model))
     cp = ControlPlaneConfig   # the class attributes are the defaults
     sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=True),
                       cp.max_num_seqs, cp.max_num_batched_tokens)
