@@ -72,14 +72,14 @@ def start(tmp_path_factory, name: str, args: list[str]) -> Server:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir, heavier_model_dir, tmp_path_factory):
-    """Started together: a roomy pool behind an API key (on the heavier model: the map's batch must last while
-    the page is read), and a pool too small for its batch (swapping)."""
-    common = ["--model", tiny_model_dir, "--num-threads", "1"]
+def servers(heavier_model_dir, tmp_path_factory):
+    """Started together, both on the heavier model (a batch must last while the page is read, and a swapped
+    sequence stay swapped while its row is hovered: on the tiny model swaps came and went within a few steps of
+    milliseconds): a roomy pool behind an API key, and a pool too small for its batch (swapping)."""
+    common = ["--model", heavier_model_dir, "--num-threads", "1"]
     started = {
-        "keyed": start(tmp_path_factory, "page-keyed", ["--model", heavier_model_dir, "--num-threads", "1",
-                                                        "--api-key", KEY, "--kv-cache-blocks", "512",
-                                                        "--swap-blocks", "64"]),
+        "keyed": start(tmp_path_factory, "page-keyed", common + ["--api-key", KEY, "--kv-cache-blocks", "512",
+                                                                 "--swap-blocks", "64"]),
         "small": start(tmp_path_factory, "page-small", common + ["--kv-cache-blocks", "24", "--swap-blocks", "96",
                                                                  "--preemption-mode", "swap",
                                                                  "--max-num-seqs", "8"]),
