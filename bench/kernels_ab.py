@@ -169,14 +169,15 @@ def plain_products(before, after, rows_list: list[int], repeats: int) -> None:
     from ops import linear
     gen = torch.Generator().manual_seed(4)
     weights = [(torch.randn(n, k, generator=gen) * 0.02) for _ in range(PLAIN_LAYERS) for n, k in PLAIN_SHAPES]
-    panels = [(after.panel_pack(w), w.shape[0]) for w in weights]
     if all(hasattr(module, "panel_linear") for module in (before, after)) and after.has_coded_simd():
+        panels = [(after.panel_pack(w), w.shape[0]) for w in weights]
+
         def run_for(rows: int):
             inputs = {k: torch.randn(rows, k, generator=gen) for _, k in PLAIN_SHAPES}
             return lambda module: [module.panel_linear(inputs[packed.shape[1]], packed, n) for packed, n in panels]
         rows_table(f"the {len(panels)} plain float32 products through panel_linear", before, after, rows_list,
                    repeats, run_for)
-    del panels
+        del panels
     narrow = [w.to(torch.bfloat16) for w in weights]
     del weights
     if linear.bf16_dot_kernel(after):

@@ -137,7 +137,7 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor
       const int64_t bytes = (p + 1) * M < u1 && next > 0 ? pagedserve::ahead_bytes(next * K * kGroup * 2, tiles) : 0;
       const bf16* const next_panel = bytes > 0 ? wp + (g0 + kPanelGroups) * K * kGroup : nullptr;
       for (int64_t t = 0, m0 = a; t < tiles; ++t) {
-        const int64_t rows = (b - a) / tiles + (t < (b - a) % tiles ? 1 : 0);
+        const int64_t rows = pagedserve::tile_share(b - a, tiles, t);
         const pagedserve::Ahead ahead(next_panel, bytes, t, tiles, K / 2);
         switch (count) {
           case 1: tile_rows<1>(rows, xp, wp, yp, ones, m0, g0, K, N, ahead); break;

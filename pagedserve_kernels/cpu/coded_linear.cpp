@@ -367,12 +367,13 @@ void panel_product(const float* x, const float* buf, T* y, int64_t M, int64_t n0
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t bytes = next != nullptr ? pagedserve::ahead_bytes(K * kPanel * 4, tiles) : 0;
   // tiles of near-equal rows: each asks for an equal share of the next panel, over as many FMAs as the others
-  for (int64_t m0 = 0, t = 0; t < tiles; m0 += M / tiles + (t < M % tiles ? 1 : 0), ++t) {
-    const int64_t rows = M / tiles + (t < M % tiles ? 1 : 0);
+  for (int64_t m0 = 0, t = 0; t < tiles; ++t) {
+    const int64_t rows = pagedserve::tile_share(M, tiles, t);
     const pagedserve::Ahead ahead(next, bytes, t, tiles, K);
     if (groups == 3) tile_rows<3, T>(rows, x, buf, y, m0, n0, K, N, ahead);
     else if (groups == 2) tile_rows<2, T>(rows, x, buf, y, m0, n0, K, N, ahead);
     else tile_rows<1, T>(rows, x, buf, y, m0, n0, K, N, ahead);
+    m0 += rows;
   }
 #else
   for (int64_t m = 0; m < M; ++m)

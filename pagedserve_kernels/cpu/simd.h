@@ -64,6 +64,9 @@ class Ahead {
   int64_t owed_ = 0;   // lines x steps taken, less steps x lines asked for
 };
 
+// The rows of tile t when `rows` are split into `tiles` tiles of near-equal size (the first ones a row more)
+inline int64_t tile_share(int64_t rows, int64_t tiles, int64_t t) { return rows / tiles + (t < rows % tiles ? 1 : 0); }
+
 // The bytes of the thread's next panel that a panel's `tiles` tiles ask for ahead: all of them where there
 // are several tiles but few enough that the memory's reads bound them rather than their arithmetic (with
 // more, the hardware's streamer keeps up), and two panels fit in L2 (else the next one evicts this one,
