@@ -1,10 +1,12 @@
-"""The output layer of a greedy step in float32: the full Q8_0 product and the argmax of its logits
-(coded_linear, then greedy_logsumexp, as rows that ask for log-probs take it) against the greedy head
-(ops/greedy_head.py: an int8 first pass and the exact logits of its candidates), on the final hidden
-states of SmolLM2 decoding the bench's kind of prompts (random ordinary tokens, as bench/throughput.py's
-traces), alternating in one process; both must give the same tokens and logits, bit for bit.
+"""The output layer of a greedy step: the full product through the layer's route and the argmax of its logits
+(greedy_logsumexp, as rows that ask for log-probs take it) against the greedy head (ops/greedy_head.py: an
+int8 first pass and the exact logits of its candidates), on the final hidden states of the model decoding
+the bench's kind of prompts (random ordinary tokens, as bench/throughput.py's traces), alternating in one
+process; both must give the same tokens (and, in float32, logits), bit for bit.
 
-    python bench/greedy_head.py                 # rows 1, 4, 16, 64, 128; median of 9
+    python bench/greedy_head.py                 # SmolLM2's Q8_0 codes, float32; rows 1, 4, 16, 64, 128; median of 9
+    python bench/greedy_head.py --dtype bfloat16
+    python bench/greedy_head.py --model DIR     # a model of plain weights (bench/random_model.py writes one)
 """
 from __future__ import annotations
 
@@ -37,45 +39,61 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,4,16,64,128")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--num-threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", metavar="DIR", help="a model folder (or GGUF file) instead of the default model")
     args = ap.parse_args(argv)
     import torch
 
-    from ops import cpu_kernels, greedy_head
+    from ops import cpu_kernels, greedy_head, linear, quantized
 
     print(C.machine_line(args.num_threads))
-    model = C.load_hf_model(args.num_threads, device="cpu")
+    model = C.load_hf_model(args.num_threads, device="cpu", path=args.model and os.path.abspath(args.model))
     kernel = cpu_kernels.load()
-    head = model.get_output_embeddings()
-    greedy = greedy_head.build(head, kernel)
-    if greedy is None:
-        print("not run: no greedy head here (neither AVX512-VNNI nor AVX2 in this build, "
-              "or the output layer is not Q8_0 codes)")
-        return 1
-    codes = greedy.codes
     with torch.inference_mode():
         pool = hidden_states(model, 8, 24, seed=0)
-    print(f"{pool.shape[0]} hidden states from 8 prompts of a sharegpt trace, 24 greedy steps each")
+    print(f"{pool.shape[0]} hidden states from 8 prompts of a sharegpt trace, 24 greedy steps each, {args.dtype}")
+    dtype = getattr(torch, args.dtype)
+    # the output layer alone, in the dtype, routed as the runner routes it: a bfloat16 weight with the codes of
+    # the float32 one it was rounded from, where it has them
+    weight = model.get_output_embeddings().weight.detach().float().contiguous()
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+    head.forward = linear.RoutedLinear(head.weight, None, kernel, True,
+                                       codes=True if dtype == torch.float32 else quantized.find_codes(weight))
+    greedy = greedy_head.build(head, kernel)
+    if greedy is None:
+        print("not run: no greedy head here (neither AVX512-VNNI nor AVX2 in this build, or the output layer's "
+              "route has none: docs/architecture.md)")
+        return 1
+    print(f"output layer {tuple(weight.shape)}: {'codes' if greedy.codes is not None else 'plain weight, codes near it'}, "
+          f"first pass {greedy.kind}, {greedy.nbytes / 2**20:.1f} MiB laid out; the greedy head serves from "
+          f"{greedy.min_rows} rows")
     table = C.Table(["rows", "full ms", "greedy head ms", "ratio", "exact logits / row (mean, max)"])
     for rows in (int(r) for r in args.rows.split(",")):
-        x = pool[torch.arange(rows) % pool.shape[0]].contiguous()
+        x = pool[torch.arange(rows) % pool.shape[0]].to(dtype).contiguous()
         full_times, head_times = [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            best, index, _ = kernel.greedy_logsumexp(kernel.coded_linear(x, codes.codes, codes.scales, None))
+            with torch.no_grad():
+                best, index, _ = kernel.greedy_logsumexp(head(x))
             t1 = time.perf_counter()
-            tokens, logits, counts = kernel.q8_argmax(x, greedy.packed, codes.codes, codes.scales, greedy.absums,
-                                                      greedy.norms, greedy.widest, None)
+            tokens, logits, counts = kernel.q8_argmax(x.float(), greedy.packed,
+                                                      None if greedy.codes is None else greedy.codes.codes,
+                                                      greedy.scales, greedy.absums, greedy.norms, greedy.widest,
+                                                      greedy.weight, greedy.resids)
             t2 = time.perf_counter()
             full_times.append(t1 - t0)
             head_times.append(t2 - t1)
-            if not (torch.equal(tokens, index) and torch.equal(logits.view(torch.int32), best.view(torch.int32))):
+            same = torch.equal(tokens, index) and (dtype != torch.float32 or
+                                                   torch.equal(logits.view(torch.int32), best.view(torch.int32)))
+            if not same:
                 print(f"MISMATCH at {rows} rows: the greedy head's tokens or logits differ from the full product's")
                 return 1
         full, fast = statistics.median(full_times) * 1e3, statistics.median(head_times) * 1e3
         table.add(rows, f"{full:.2f}", f"{fast:.2f}", f"{fast / full:.2f}x",
                   f"{counts.float().mean():.1f}, {int(counts.max())}")
     print(table.render())
-    print("tokens and logits equal bit for bit at every row count")
+    print("tokens" + (" and logits" if dtype == torch.float32 else "") + " equal bit for bit at every row count")
     return 0
 
 

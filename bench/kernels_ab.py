@@ -207,24 +207,36 @@ def rows_table(title: str, before, after, rows_list: list[int], repeats: int, ru
 
 def greedy(before, after, rows_list: list[int], repeats: int, num_threads: int) -> None:
     import torch
+
+    from ops import greedy_head, quantized
     runner = C.default_runner(num_threads, "inproc://kernels-ab-greedy", kv_cache_blocks=16)
-    head = runner.greedy_head
-    if head is None:
+    if runner.greedy_head is None:
         print("\nthe greedy head: not run (neither AVX512-VNNI nor AVX2 in this build, "
               "or the output layer is not Q8_0 codes)")
         return
-    codes = head.codes
     gen = torch.Generator().manual_seed(2)
+    # SmolLM2's output layer, and one of the 415M model's shape: Q8_0 codes found near random weights (the
+    # first pass a plain layer takes, without the bound's share for what the codes miss, which a build from
+    # before plain layers lacks)
+    near = greedy_head.NearCodes(torch.randn(49152, 1024, generator=gen) * 0.02)
+    heads = {"SmolLM2's Q8_0 output layer": runner.greedy_head,
+             "Q8_0 codes of the 415M model's output layer (49152 x 1024)":
+                 greedy_head.GreedyHead(runner.greedy_head.kernel, quantized.Codes("q8_0", near.codes, near.scales, None))}
+    for title, head in heads.items():
+        codes = head.codes
 
-    def run_for(rows: int):
-        x = torch.randn(rows, codes.codes.shape[1], generator=gen)
-        # a module from before the bound's norms takes five arguments, as its doc string shows
-        return lambda module: module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums,
-                                               *((head.norms,) if "arg5" in module.q8_argmax.__doc__ else ()),
-                                               *((head.widest,) if "arg6" in module.q8_argmax.__doc__ else ()),
-                                               *((None,) if "arg7" in module.q8_argmax.__doc__ else ()))
-    rows_table("the greedy head (q8_argmax over the Q8_0 output layer), random rows", before, after, rows_list,
-               repeats, run_for)
+        def run_for(rows: int, head=head, codes=codes):
+            x = torch.randn(rows, codes.codes.shape[1], generator=gen)
+            # builds from before the bound's norms take five arguments, as their doc strings show (later ones
+            # name their arguments)
+
+            def call(module):
+                doc = module.q8_argmax.__doc__
+                more = [t for t, name, since in ((head.norms, "norms", "arg5"), (head.widest, "widest", "arg6"),
+                                                 (None, "weight", "arg7")) if name in doc or since in doc]
+                return module.q8_argmax(x, head.packed, codes.codes, codes.scales, head.absums, *more)
+            return call
+        rows_table(f"the greedy head (q8_argmax), {title}, random rows", before, after, rows_list, repeats, run_for)
 
 
 def main(argv=None) -> int:

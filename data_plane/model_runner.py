@@ -101,12 +101,15 @@ class ModelRunner:
                 log.info("oneDNN's bfloat16 GEMM kernels made for steps of 1-%d rows in %.1f s", linear_ops.WARM_ROWS,
                          time.perf_counter() - started)
         # greedy rows that want no log-prob skip most logits (ops/greedy_head.py): CPU, one rank
+        started = time.perf_counter()
         self.greedy_head = greedy_head.build(self.final_logits, cpu_kernels.load()) \
             if self.device.type == "cpu" and config.tensor_parallel_size == 1 else None
         if self.greedy_head is not None:
             log.info("greedy head: greedy rows that ask for no log-prob take their token from an int8 first pass "
-                     "and the exact logits of its few candidates (%.1f MiB laid out for %s), from %d rows",
-                     self.greedy_head.nbytes / 2**20, self.greedy_head.kind, self.greedy_head.min_rows)
+                     "and the exact logits of its few candidates (%.1f MiB laid out for %s in %.1f s, %s), from %d "
+                     "rows", self.greedy_head.nbytes / 2**20, self.greedy_head.kind, time.perf_counter() - started,
+                     "the layer's codes" if self.greedy_head.codes is not None else "codes found near its weights",
+                     self.greedy_head.min_rows)
         self.graphs = None
         # (not for state layers: their per-sequence forward is not captured; nor with layer groups, whose tables
         # the graphs do not hold: so the graphs' steps run on a pool whose slab of a layer is the layer's index)

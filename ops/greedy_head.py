@@ -11,6 +11,12 @@ A bfloat16 output layer rounded from such codes takes the same first pass (its b
 rounding) where its products are the AVX512-BF16 kernel's (ops/linear.py): the candidates' logits are then
 computed as that kernel computes them and rounded to bfloat16, and the token is the first index of the
 largest of those, as the sampler takes it from the full bfloat16 logits (`has_bf16_argmax`).
+
+A plain output layer (a model's own float weights, no codes) gets Q8_0 codes found near it at start
+(`near_codes`): the first pass reads those, and its bound grows by what the codes miss, per block the norm of
+w - scale * code times the norm of x's block. The candidates' logits are the weight's own, as its route computes
+them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel. The codes and
+their bounds take about 1.4 bytes a weight beside the layer.
 """
 from __future__ import annotations
 
@@ -26,53 +32,114 @@ from ops import quantized
 # (bench/greedy_head.py). AVX512-VNNI: no gain at 1-4 rows. AVX2 (two instructions for VNNI's one, and a
 # wider bound): no gain up to 8 rows, where the full product keeps its weights in registers.
 MIN_ROWS = {"avx512_vnni": 5, "avx2": 9}
+# A plain layer's full product reads 2 or 4 bytes a weight where the first pass reads about one and a half: on
+# the 415M model's output layer (bench/greedy_head.py --model) the head took 0.3-0.4x the float32 product's time
+# and 0.7-0.8x the bfloat16 one's at 1-64 rows, 0.5-0.7x the float32 one's on AVX2
+PLAIN_MIN_ROWS = {"avx512_vnni": 1, "avx2": 1}
 
 
 NORM_GROUPS = 256   # groups of 16 rows a time: their float64 weights a few MB, where a whole layer's are hundreds
+LEVELS = 127        # Q8_0's codes span -127..127 (scale = max |w| / 127)
+
+
+def _up(values: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded up to float32: a bound they weigh is never less than the real one."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
+
+
+def _half_up(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative float64 values rounded up to float16."""
+    rounded = values.to(torch.float16)
+    # the next float16 up of a non-negative one is the next integer of its bits
+    return torch.where(rounded.double() < values, (rounded.view(torch.int16) + 1).view(torch.float16), rounded)
 
 
 def _norms_up(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The Euclidean norms of blocks of weights scale * code, codes [G, B, 32, 16] and scales [G, B, 16]:
-    in float64 (each weight exact there, as in float32), then rounded up to float32, so that the bound they
-    weigh is never less than the real one."""
-    norms = (codes.double() * scales.double()[:, :, None, :]).pow(2).sum(2).sqrt()
-    rounded = norms.float()
-    return torch.where(rounded.double() < norms, torch.nextafter(rounded, torch.tensor(float("inf"))), rounded)
+    in float64 (each weight exact there, as in float32), then rounded up to float32."""
+    return _up((codes.double() * scales.double()[:, :, None, :]).pow(2).sum(2).sqrt())
+
+
+class NearCodes:
+    """Q8_0 codes found near a plain weight [N, K] and what the greedy head's bound needs of them, in the
+    layouts of quantized.Codes: codes int8 [N / 16, K, 16], scales float16 [N / 16, K / 32, 16]; per output and
+    block, absums (sum |w|, or |scale| * sum |codes| where larger), norms (of scale * code) and resids (of
+    w - scale * code), float32 [N / 16, K / 32, 16], rounded up."""
+
+    def __init__(self, weight: torch.Tensor):
+        n, k = weight.shape
+        groups, blocks = n // quantized.GROUP, k // quantized.BLOCK
+        self.codes = torch.empty(groups, k, quantized.GROUP, dtype=torch.int8)
+        self.scales = torch.empty(groups, blocks, quantized.GROUP, dtype=torch.float16)
+        self.absums, self.norms, self.resids = (torch.empty(groups, blocks, quantized.GROUP) for _ in range(3))
+        for g in range(0, groups, NORM_GROUPS):
+            rows = slice(g * quantized.GROUP, (g + NORM_GROUPS) * quantized.GROUP)
+            # [G, 16, B, 32] -> [G, B, 32, 16]: each block's 32 inputs, then the group's 16 outputs
+            w = weight[rows].double().view(-1, quantized.GROUP, blocks, quantized.BLOCK).permute(0, 2, 3, 1)
+            scale = _half_up(w.abs().amax(2) / LEVELS)   # so that no code is clamped: |w - scale * code| <= scale / 2
+            if not torch.isfinite(scale).all():
+                raise ValueError("weights beyond float16's range times 127: no Q8_0 codes near them")
+            step = scale.double()[:, :, None, :]
+            code = torch.where(step > 0, w / torch.where(step > 0, step, 1.0), 0.0).round().clamp(-LEVELS, LEVELS)
+            part = slice(g, g + NORM_GROUPS)
+            self.codes[part] = code.to(torch.int8).reshape(-1, k, quantized.GROUP)
+            self.scales[part] = scale
+            near = code * step
+            self.absums[part] = _up(torch.maximum(w.abs().sum(2), near.abs().sum(2)))
+            self.norms[part] = _up(near.pow(2).sum(2).sqrt())
+            self.resids[part] = _up((w - near).pow(2).sum(2).sqrt())
 
 
 class GreedyHead:
-    """The output layer's codes laid out for the kernel's first pass, beside the codes it recomputes from."""
+    """The output layer's codes laid out for the kernel's first pass, beside the codes (or the weight) whose
+    logits it recomputes. `codes`: the layer's own Q8_0 codes, or NearCodes of a plain weight (then `weight`,
+    float32 or bfloat16, is that layer's weight)."""
 
-    def __init__(self, kernel, codes: quantized.Codes, weight: torch.Tensor | None = None):
-        self.kernel, self.codes = kernel, codes
-        self.weight = weight   # bfloat16 [N, K], the codes' rounding: the logits that decide are its (or None)
+    def __init__(self, kernel, codes: quantized.Codes | NearCodes, weight: torch.Tensor | None = None):
+        near = isinstance(codes, NearCodes)
+        self.kernel = kernel
+        self.codes = None if near else codes   # the kernel recomputes from these (else from `weight`)
+        self.scales = codes.scales
+        # bfloat16 [N, K] (the codes' rounding, or a plain weight) or float32 [N, K] (a plain weight): the
+        # logits that decide are its (or None: the codes')
+        self.weight = weight
         self.kind = kernel.q8_argmax_kind()
-        self.min_rows = MIN_ROWS[self.kind]   # a step's greedy rows it serves, at least
+        self.min_rows = (PLAIN_MIN_ROWS if near else MIN_ROWS)[self.kind]   # a step's greedy rows it serves, at least
         groups, k, lanes = codes.codes.shape
         # [N / 16, K / 4, 16, 4]: per group and four inputs, each row's four codes in one 32-bit lane,
         # plus 128 (the first pass multiplies unsigned bytes by the signed ones of x)
         self.packed = (codes.codes.view(groups, k // 4, 4, lanes).permute(0, 1, 3, 2).to(torch.int16) + 128) \
             .to(torch.uint8).contiguous()
-        # per row and block of 32 inputs, |scale| * sum |code|: the weight of the bound's share for float rounding
-        blocks = codes.codes.view(groups, k // quantized.BLOCK, quantized.BLOCK, lanes)
-        self.absums = (blocks.to(torch.int32).abs().sum(2).float() * codes.scales.float().abs()).contiguous()
-        # per row and block, the Euclidean norm of its weights: the bound's weight of x's rounding
-        self.norms = torch.empty_like(self.absums)
-        for g in range(0, groups, NORM_GROUPS):
-            self.norms[g:g + NORM_GROUPS] = _norms_up(blocks[g:g + NORM_GROUPS], codes.scales[g:g + NORM_GROUPS])
-        # per group of 16 outputs and block, the largest norm and absum of its outputs: the group's widest bound
-        self.widest = torch.stack([self.norms.amax(2), self.absums.amax(2)], 1).contiguous()
+        self.resids = codes.resids if near else None   # the bound's weight of x itself (plain weights)
+        if near:
+            self.absums, self.norms = codes.absums, codes.norms
+        else:
+            # per row and block of 32 inputs, |scale| * sum |code|: the weight of the bound's share for float rounding
+            blocks = codes.codes.view(groups, k // quantized.BLOCK, quantized.BLOCK, lanes)
+            self.absums = (blocks.to(torch.int32).abs().sum(2).float() * codes.scales.float().abs()).contiguous()
+            # per row and block, the Euclidean norm of its weights: the bound's weight of x's rounding
+            self.norms = torch.empty_like(self.absums)
+            for g in range(0, groups, NORM_GROUPS):
+                self.norms[g:g + NORM_GROUPS] = _norms_up(blocks[g:g + NORM_GROUPS], codes.scales[g:g + NORM_GROUPS])
+        # per group of 16 outputs and block, the largest norm, absum (and resid) of its outputs: the group's
+        # widest bound
+        self.widest = torch.stack([t.amax(2) for t in (self.norms, self.absums, self.resids) if t is not None],
+                                  1).contiguous()
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + (self.absums.numel() + self.norms.numel() + self.widest.numel()) * 4
+        """The bytes laid out for the first pass (the codes or weight it recomputes from are the layer's)."""
+        extra = [t for t in (self.absums, self.norms, self.widest, self.resids) if t is not None]
+        return self.packed.numel() + self.scales.numel() * 2 * (self.codes is None) + sum(t.numel() * 4 for t in extra)
 
     def tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
         """Per row of hidden [rows, K] (the output layer's type): its greedy token (-1 where a value is not
         finite, or for bfloat16 too small: that row needs the full logits), and how many logits were computed
         exactly."""
-        tokens, _, counts = self.kernel.q8_argmax(hidden.float().contiguous(), self.packed, self.codes.codes,
-                                                  self.codes.scales, self.absums, self.norms, self.widest, self.weight)
+        tokens, _, counts = self.kernel.q8_argmax(hidden.float().contiguous(), self.packed,
+                                                  None if self.codes is None else self.codes.codes, self.scales,
+                                                  self.absums, self.norms, self.widest, self.weight, self.resids)
         return tokens.tolist(), counts.tolist()
 
 
@@ -81,9 +148,9 @@ def enabled() -> bool:
 
 
 def build(head: torch.nn.Module, kernel) -> GreedyHead | None:
-    """A GreedyHead for the output layer `head` when its CPU weight is Q8_0 codes (float32), or their
-    rounding to bfloat16 with the AVX512-BF16 kernel as its route, and the kernel has the first pass, else
-    None."""
+    """A GreedyHead for the output layer `head` where the kernel has the first pass and its CPU weight is
+    Q8_0 codes (float32), or their rounding to bfloat16, or a plain weight (codes found near it): float32 laid
+    out in panels, bfloat16 with the AVX512-BF16 kernel as its route. Else None."""
     weight = getattr(head, "weight", None)
     if not enabled() or kernel is None or not kernel.has_q8_argmax() or getattr(head, "bias", None) is not None \
             or weight is None or weight.device.type != "cpu":
@@ -91,15 +158,19 @@ def build(head: torch.nn.Module, kernel) -> GreedyHead | None:
     routed = head.__dict__.get("forward")   # ops/linear.py's route keeps the codes it found
     if weight.dtype == torch.bfloat16:
         # the exact logits are the AVX512-BF16 kernel's (bf16_linear: `dot` is its layout), whose bits every row
-        # count of the route gives; the codes those of the float32 weight it was rounded from
+        # count of the route gives; the codes those of the float32 weight it was rounded from, else found near it
         if not kernel.has_bf16_argmax() or getattr(routed, "dot", None) is None:
             return None
         codes = routed.plain_codes
-        return GreedyHead(kernel, codes, weight.detach().contiguous()) \
-            if codes is not None and codes.kind == "q8_0" else None
+        weight = weight.detach().contiguous()
+        return GreedyHead(kernel, codes if codes is not None and codes.kind == "q8_0" else NearCodes(weight), weight)
     if weight.dtype != torch.float32:
         return None
     codes = getattr(routed, "codes", None)
+    if codes is None and getattr(routed, "panel", None) is not None:
+        # panel_linear's logits: the FMA chain over k of the weight as it is
+        weight = weight.detach().contiguous()
+        return GreedyHead(kernel, NearCodes(weight), weight)
     if codes is None:
         codes = quantized.find_codes(weight)
     return GreedyHead(kernel, codes) if codes is not None and codes.kind == "q8_0" else None

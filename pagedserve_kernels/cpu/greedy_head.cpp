@@ -17,6 +17,12 @@
 // not per row. (The bound per block s_b / 2 * sum |w_nb|, which assumes every e_k at its largest and of
 // w's sign, left several times the candidates on SmolLM2's states.)
 //
+// A plain output layer (weights w that are not codes) is read through Q8_0 codes found near it at start
+// (ops/greedy_head.py): w = scale * code + r, and the real product differs from the codes' by sum r x, at most
+// |r_b| |x_b| per block (Cauchy-Schwarz again: r's norms computed once, x's when it is rounded), which widens
+// B_n. Its candidates' logits are then the weight's own, as its route computes them: panel_linear's FMA chain
+// over k (float32), or bf16_linear's sums (bfloat16, below).
+//
 // The pass is two sweeps over the layer (approx_all). The first computes every approximate logit and bounds
 // each group of 16 outputs at once, by the group's widest bound (each block's largest norm and sum over the
 // group): enough for a lower end of the row's largest logit. The second bounds each output only in the few
@@ -77,7 +83,10 @@ struct Head {
   const at::Half* scales;   // [N / 16, K / 32, 16]
   const float* absums;      // |scale| * sum |codes| per block, [N / 16, K / 32, 16]
   const float* norms;       // the Euclidean norm of the block's weights, rounded up, [N / 16, K / 32, 16]
-  const float* widest;      // per group and block the largest of its 16 norms, then of its absums, [N / 16, 2, K / 32]
+  const float* widest;      // per group and block the largest of its 16 norms, then of its absums (then of its
+                            // resids), [N / 16, 2 or 3, K / 32]
+  const float* resid;       // plain weights: the Euclidean norm of the block's w - scale * code, rounded up,
+                            // [N / 16, K / 32, 16]; null where the weights are the codes
 };
 
 // one row of x in int8 blocks: codes, per block scale, -128 * sum of the block's codes and the norm of
@@ -88,9 +97,10 @@ struct QuantRows {
   std::vector<int32_t> corr;  // [M, K / 32]
   std::vector<float> err;     // [M, K / 32], rounded up
   std::vector<char> finite;   // [M]
+  std::vector<float> xnorm;   // [M, K / 32]: the Euclidean norm of the block of x, rounded up (plain weights)
   // err and s again by block, [K / 32, padded], each block's rows padded with zeros to a multiple of 16: what
   // the widest bounds of a group read 16 rows at a time (AVX512-VNNI)
-  std::vector<float> err_t, s_t;
+  std::vector<float> err_t, s_t, xnorm_t;
   int64_t padded = 0;
 };
 
@@ -108,13 +118,17 @@ float rounding_norm(const float* xb, const int8_t* qb, float s) {
   return static_cast<double>(f) >= norm ? f : std::nextafter(f, std::numeric_limits<float>::infinity());
 }
 
-QuantRows quantize(const float* x, int64_t M, int64_t K) {
+QuantRows quantize(const float* x, int64_t M, int64_t K, bool norms) {
   const int64_t blocks = K / kBlock;
   QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<int32_t>(M * blocks),
-              std::vector<float>(M * blocks), std::vector<char>(M, 1)};
+              std::vector<float>(M * blocks), std::vector<char>(M, 1),
+              std::vector<float>(norms ? M * blocks : 0, 0.f)};
+  static const int8_t kZeros[kBlock] = {};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + m * K + b * kBlock;
+      // the norm of x's block, which weighs a plain weight's distance from its codes (x - 0 q)
+      if (norms) r.xnorm[m * blocks + b] = rounding_norm(xb, kZeros, 0.f);
       float top = 0.f;
       for (int64_t i = 0; i < kBlock; ++i) {
         if (!std::isfinite(xb[i])) r.finite[m] = 0;
@@ -143,10 +157,12 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   r.padded = (M + kGroup - 1) / kGroup * kGroup;
   r.err_t.assign(blocks * r.padded, 0.f);
   r.s_t.assign(blocks * r.padded, 0.f);
+  r.xnorm_t.assign(norms ? blocks * r.padded : 0, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       r.err_t[b * r.padded + m] = r.err[m * blocks + b];
       r.s_t[b * r.padded + m] = r.s[m * blocks + b];
+      if (norms) r.xnorm_t[b * r.padded + m] = r.xnorm[m * blocks + b];
     }
 #endif
   return r;
@@ -164,6 +180,9 @@ inline float bf16_floor(float lower) {
                                  : at == 0 ? static_cast<pagedserve::bf16>(0x8001) : static_cast<pagedserve::bf16>(at + 1);
   return 0.5f * (rounded + pagedserve::to_float(below));   // exact: one bit past bfloat16's
 }
+
+// the rows of head.widest a group has per block: norms and absums, and resids for a plain weight
+inline int64_t rows_of_widest(const Head& head) { return head.resid != nullptr ? 3 : 2; }
 
 // per row of x: the largest lower end seen, and the outputs whose upper end reached the lower end seen
 // so far (a superset of those reaching the final one), in increasing order. `rounded`: the logits are
@@ -211,7 +230,7 @@ inline void keep_reaching(const float* total, const float* bound, int64_t m, int
 void group_wides(const QuantRows& xq, int64_t M, const Head& head, int64_t g, int C, int64_t blocks, float slack,
                  float* wides) {
   for (int c = 0; c < C; ++c) {
-    const float* widest = head.widest + (g + c) * 2 * blocks;
+    const float* widest = head.widest + (g + c) * rows_of_widest(head) * blocks;
     for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
       __m512 sum = _mm512_setzero_ps(), cover = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
@@ -219,6 +238,10 @@ void group_wides(const QuantRows& xq, int64_t M, const Head& head, int64_t g, in
         cover = _mm512_fmadd_ps(_mm512_set1_ps(widest[blocks + b]), _mm512_loadu_ps(xq.s_t.data() + b * xq.padded + m0),
                                 cover);
       }
+      if (head.resid != nullptr)
+        for (int64_t b = 0; b < blocks; ++b)
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(widest[2 * blocks + b]),
+                                _mm512_loadu_ps(xq.xnorm_t.data() + b * xq.padded + m0), sum);
       const __mmask16 live = M - m0 >= kGroup ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (M - m0)) - 1);
       _mm512_mask_storeu_ps(wides + (g + c) * M + m0, live, _mm512_fmadd_ps(cover, _mm512_set1_ps(slack), sum));
     }
@@ -381,11 +404,13 @@ void sweep_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g0, 
     // the first tile of rows asks for the next group (Ask), the others do not
     if (M > 0) tile(std::true_type{}, 0);
     for (int64_t m0 = kTile; m0 < M; m0 += kTile) tile(std::false_type{}, m0);
-    const float* widest = head.widest + g * 2 * blocks;
+    const float* widest = head.widest + g * rows_of_widest(head) * blocks;
     for (int64_t m = 0; m < M; ++m) {
       float wide = 0.f;
       for (int64_t b = 0; b < blocks; ++b)
         wide += widest[b] * xq.err[m * blocks + b] + slack * widest[blocks + b] * xq.s[m * blocks + b];
+      if (head.resid != nullptr)
+        for (int64_t b = 0; b < blocks; ++b) wide += widest[2 * blocks + b] * xq.xnorm[m * blocks + b];
       wides[g * M + m] = wide;
       lower[m] = std::max(lower[m], tops[g * M + m] - wide);
     }
@@ -412,6 +437,10 @@ void reaching_groups(const QuantRows& xq, int64_t M, const Head& head, int64_t g
           sum = _mm256_fmadd_ps(_mm256_loadu_ps(head.norms + at), _mm256_set1_ps(xq.err[xb]), sum);
           cover = _mm256_fmadd_ps(_mm256_loadu_ps(head.absums + at), _mm256_set1_ps(xq.s[xb]), cover);
         }
+        if (head.resid != nullptr)
+          for (int64_t b = 0; b < blocks; ++b)
+            sum = _mm256_fmadd_ps(_mm256_loadu_ps(head.resid + (g * blocks + b) * kGroup + 8 * h),
+                                  _mm256_set1_ps(xq.xnorm[m * blocks + b]), sum);
         _mm256_store_ps(bound + 8 * h, _mm256_fmadd_ps(cover, _mm256_set1_ps(slack), sum));
       }
       keep_reaching(totals + (g * M + m) * kGroup, bound, m, g * kGroup, found);
@@ -485,6 +514,23 @@ void exact_logits(const float* x, const int8_t* codes, const at::Half* scales, c
   for (int64_t i = 0; i < std::min<int64_t>(count, kChains); ++i) out[i] = acc[i];
 }
 
+// The same through a plain float32 output layer w [N, K] as panel_linear computes it (coded_linear.cpp): each
+// output the FMA chain over k in order, the weight as it is
+void exact_plain_logits(const float* x, const float* w, const Candidate* c, int64_t count, int64_t K, float* out) {
+  const float* xr[kChains];
+  const float* wr[kChains];
+  float acc[kChains];
+  for (int i = 0; i < kChains; ++i) {
+    const Candidate& one = c[std::min<int64_t>(i, count - 1)];
+    xr[i] = x + one.m * K;
+    wr[i] = w + one.n * K;
+    acc[i] = 0.f;
+  }
+  for (int64_t k = 0; k < K; ++k)
+    for (int i = 0; i < kChains; ++i) acc[i] = std::fma(xr[i][k], wr[i][k], acc[i]);
+  for (int64_t i = 0; i < std::min<int64_t>(count, kChains); ++i) out[i] = acc[i];
+}
+
 #ifdef PAGEDSERVE_BF16_ARGMAX
 // The logits of up to 16 candidates through a bfloat16 output layer w [N, K] as bf16_linear computes them
 // (a call without one_row, as the output layer's): one VDPBF16PS chain over the input pairs front to back,
@@ -549,27 +595,27 @@ std::string q8_argmax_kind() {
 #endif
 }
 
-// x [M, K] float32; packed uint8 [N / 16, K / 4, 16, 4] (codes + 128); codes int8 [N / 16, K, 16] and
-// scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]:
-// |scale| * sum |codes| per block; norms float32 [N / 16, K / 32, 16]: the Euclidean norm of each
-// block's weights, rounded up; widest float32 [N / 16, 2, K / 32]: per group and block the largest of its
-// 16 norms, then of its absums; weight (or None) bfloat16 [N, K]: for a bfloat16 output layer, each weight
-// the bfloat16 rounding of scale * code, whose logits (bf16_linear's, rounded to bfloat16) decide. Returns
-// the token [M] (int64; -1 for a row with a value that is not
-// finite: the caller computes that row in full), its logit [M] (float32) and how many outputs were
-// computed exactly [M] (int64).
-std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor codes, at::Tensor scales,
-                                  at::Tensor absums, at::Tensor norms, at::Tensor widest,
-                                  c10::optional<at::Tensor> weight) {
+// x [M, K] float32; packed uint8 [N / 16, K / 4, 16, 4] (codes + 128); codes (or None) int8 [N / 16, K, 16]
+// and scales float16 [N / 16, K / 32, 16] (coded_linear's); absums float32 [N / 16, K / 32, 16]: per block
+// sum |w| (at least |scale| * sum |codes|); norms float32 [N / 16, K / 32, 16]: the Euclidean norm of each
+// block's scale * code, rounded up; widest float32 [N / 16, 2 or 3, K / 32]: per group and block the largest
+// of its 16 norms, then of its absums, then (with resid) of its resids. The weights whose logits decide:
+// the codes' (codes given, weight None: coded_linear's FMA chain); weight bfloat16 [N, K] (bf16_linear's
+// sums rounded to bfloat16), either each the bfloat16 rounding of scale * code (resid None) or any (resid
+// given); weight float32 [N, K] (panel_linear's FMA chain; resid given). resid float32 [N / 16, K / 32, 16]:
+// for weights that are not the codes, the Euclidean norm of each block's w - scale * code, rounded up. Returns
+// the token [M] (int64; -1 for a row with a value that is not finite: the caller computes that row in full),
+// its logit [M] (float32) and how many outputs were computed exactly [M] (int64).
+std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> codes,
+                                  at::Tensor scales, at::Tensor absums, at::Tensor norms, at::Tensor widest,
+                                  c10::optional<at::Tensor> weight, c10::optional<at::Tensor> resid) {
   TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q8_argmax: x [M, K] float32");
-  const int64_t M = x.size(0), K = x.size(1), groups = codes.size(0), blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && K > 0, "q8_argmax: K a positive multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.dim() == 3 && codes.size(1) == K &&
-              codes.size(2) == kGroup, "q8_argmax: codes int8 [N / 16, K, 16]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
-              packed.size(0) == groups && packed.size(1) == K / 4 && packed.size(2) == kGroup && packed.size(3) == 4,
-              "q8_argmax: packed uint8 [N / 16, K / 4, 16, 4]");
+              packed.size(2) == kGroup && packed.size(3) == 4, "q8_argmax: packed uint8 [N / 16, K / 4, 16, 4]");
+  const int64_t M = x.size(0), K = x.size(1), groups = packed.size(0), blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && K > 0 && packed.size(1) == K / 4, "q8_argmax: K a positive multiple of 32, "
+              "packed's K / 4");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3 &&
               scales.size(0) == groups && scales.size(1) == blocks && scales.size(2) == kGroup,
               "q8_argmax: scales float16 [N / 16, K / 32, 16]");
@@ -577,15 +623,25 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
               "q8_argmax: absums float32 [N / 16, K / 32, 16]");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.sizes() == scales.sizes(),
               "q8_argmax: norms float32 [N / 16, K / 32, 16]");
+  const bool plain = resid.has_value();
+  TORCH_CHECK(!plain || (resid->scalar_type() == at::kFloat && resid->is_contiguous() &&
+                         resid->sizes() == scales.sizes()), "q8_argmax: resid float32 [N / 16, K / 32, 16]");
   TORCH_CHECK(widest.scalar_type() == at::kFloat && widest.is_contiguous() && widest.dim() == 3 &&
-              widest.size(0) == groups && widest.size(1) == 2 && widest.size(2) == blocks,
-              "q8_argmax: widest float32 [N / 16, 2, K / 32]");
-  // a bfloat16 output layer: its weight, each the bfloat16 rounding of scale * code
-  const bool rounded = weight.has_value();
+              widest.size(0) == groups && widest.size(1) == (plain ? 3 : 2) && widest.size(2) == blocks,
+              "q8_argmax: widest float32 [N / 16, 2, K / 32], or [N / 16, 3, K / 32] with resid");
+  // a bfloat16 output layer: its logits rounded to bfloat16
+  const bool rounded = weight.has_value() && weight->scalar_type() == at::kBFloat16;
+  const bool wide = weight.has_value() && weight->scalar_type() == at::kFloat;
+  TORCH_CHECK(!weight.has_value() || ((rounded || wide) && weight->is_contiguous() && weight->dim() == 2 &&
+                                      weight->size(0) == groups * kGroup && weight->size(1) == K),
+              "q8_argmax: weight bfloat16 or float32 [N, K]");
   TORCH_CHECK(!rounded || has_bf16_argmax(), "q8_argmax: this build has no AVX512-BF16 for a bfloat16 output layer");
-  TORCH_CHECK(!rounded || (weight->scalar_type() == at::kBFloat16 && weight->is_contiguous() && weight->dim() == 2 &&
-                           weight->size(0) == groups * kGroup && weight->size(1) == K && K % 2 == 0),
-              "q8_argmax: weight bfloat16 [N, K], the codes' rounding");
+  TORCH_CHECK(!wide || plain, "q8_argmax: a float32 weight needs resid (weights that are codes take codes)");
+  TORCH_CHECK(weight.has_value() || (codes.has_value() && !plain),
+              "q8_argmax: codes without resid, or a weight: the logits that decide");
+  TORCH_CHECK(!codes.has_value() || (codes->scalar_type() == at::kChar && codes->is_contiguous() &&
+                                     codes->dim() == 3 && codes->size(0) == groups && codes->size(1) == K &&
+                                     codes->size(2) == kGroup), "q8_argmax: codes int8 [N / 16, K, 16]");
   // (exact_bf16_logits gathers a candidate's pairs by 32-bit indices)
   TORCH_CHECK(!rounded || std::max(groups * kGroup, M) * (K / 2) <= std::numeric_limits<int32_t>::max(),
               "q8_argmax: a bfloat16 output layer or x of more than 2^31 input pairs");
@@ -594,13 +650,13 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
   auto counts = at::empty({M}, x.options().dtype(at::kLong));
 #ifdef PAGEDSERVE_Q8_ARGMAX
   const float* xp = x.data_ptr<float>();
-  QuantRows xq = quantize(xp, M, K);
+  QuantRows xq = quantize(xp, M, K, plain);
   // each thread a contiguous range of groups, its own list per row
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
   std::vector<Found> found(parts, Found{std::vector<float>(M, -std::numeric_limits<float>::infinity()),
                                         std::vector<std::vector<std::pair<int64_t, float>>>(M), rounded});
   const Head head{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), absums.data_ptr<float>(),
-                  norms.data_ptr<float>(), widest.data_ptr<float>()};
+                  norms.data_ptr<float>(), widest.data_ptr<float>(), plain ? resid->data_ptr<float>() : nullptr};
   // the float roundings' share (see the top): the exact chain's own error is at most K * 2^-24 of
   // sum |w x|, itself at most kLevels * sum_b s_b |w_b| (|x| <= kLevels s in a block), and the first
   // pass's a few 2^-24 a block; twice that, and never under kSlack (0.01 covers SmolLM2's K = 576 twice)
@@ -610,8 +666,8 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
   if (rounded) {
     // the bfloat16 weight w = scale * code + r with |r| <= 2^-8 |scale * code| (one rounding to 8 significant
     // bits), so sum r x is at most 2^-8 sum_b |scale_b| sum |codes| max |x_b| <= 2^-8 kLevels sum_b absum_b s_b:
-    // the cover's share grows by 2^-8 kLevels
-    slack += std::ldexp(static_cast<float>(kLevels), -8);
+    // the cover's share grows by 2^-8 kLevels (a plain weight's r is bounded by resid instead)
+    if (!plain) slack += std::ldexp(static_cast<float>(kLevels), -8);
     // VDPBF16PS takes subnormal inputs as zeros and flushes subnormal sums: a row with a value under 2^-64 (the
     // products of such values with the layer's weights, at least 2^-24, could reach that range) takes the full
     // logits, as a row that is not finite
@@ -655,8 +711,11 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, at::Tensor co
         continue;
       }
 #endif
-      exact_logits(xp, codes.data_ptr<int8_t>(), scales.data_ptr<at::Half>(), left.data() + r * run, count, K,
-                   exact.data() + r * run);
+      if (wide)
+        exact_plain_logits(xp, weight->data_ptr<float>(), left.data() + r * run, count, K, exact.data() + r * run);
+      else
+        exact_logits(xp, codes->data_ptr<int8_t>(), scales.data_ptr<at::Half>(), left.data() + r * run, count, K,
+                     exact.data() + r * run);
     }
   });
   for (int64_t m = 0; m < M; ++m) {

@@ -2,13 +2,15 @@
 as the default model's file) is served with the kernel that reads the codes, and still equals
 transformers' `generate` on the float32 model token for token, through the lean Llama forward and
 through transformers' own forward; with the greedy head (ops/greedy_head.py: greedy rows asking for no
-log-prob never compute the Q8_0 output layer in full) and without it."""
+log-prob never compute the Q8_0 output layer in full) and without it; and a model of plain weights, whose
+output layer the greedy head reads through Q8_0 codes found near it."""
 from __future__ import annotations
 
 import copy
 import math
 
 import pytest
+import torch
 
 from data_plane import attention
 from ops import cpu_kernels
@@ -115,7 +117,7 @@ def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
     calls, real_argmax = [], kernel.q8_argmax
 
     def spy_argmax(x, *rest):
-        calls.append((x.shape[0], rest[-1] is not None))
+        calls.append((x.shape[0], rest[6] is not None and rest[6].dtype == torch.bfloat16))   # (its weight)
         return real_argmax(x, *rest)
     monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
     served = {}
@@ -127,4 +129,38 @@ def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
         assert bool(calls) == on and all(bf16 for _, bf16 in calls), calls   # the bfloat16 layer's
     assert served[True].preemptions > 0
     assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in served[False].outputs]
+    assert all(math.isnan(v) for _, logprobs in served[True].outputs for v in logprobs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_output_layer_greedy_head_gives_the_full_logits_tokens(dtype, monkeypatch):
+    """A model of plain random weights (no codes): greedy rows asking for no log-prob take the greedy head through
+    codes found near the output layer, where its route is the float32 panels or the AVX512-BF16 kernel, and get
+    the tokens the full logits give with the greedy head off (in float32 also transformers')."""
+    kernel = cpu_kernels.load()
+    assert kernel is not None, cpu_kernels.failure()
+    if not kernel.has_q8_argmax() or (dtype == "float32" and not kernel.has_coded_simd()) or \
+            (dtype == "bfloat16" and not (kernel.has_bf16_argmax() and linear_ops.bf16_dot_kernel(kernel))):
+        pytest.skip("no float32 panels or AVX512-BF16 products beside the greedy head's first pass on this CPU")
+    model = build(SUPPORTED["Llama"], "eager", seed=5)
+    expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS] if dtype == "float32" else None
+    model.set_attn_implementation(attention.register())
+    calls, real_argmax = [], kernel.q8_argmax
+
+    def spy_argmax(x, *rest):
+        calls.append((x.shape[0], rest[1] is None and rest[-1] is not None))   # no codes; what they miss
+        return real_argmax(x, *rest)
+    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
+    served = {}
+    for on in (True, False):
+        calls.clear()
+        monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if on else "0")
+        served[on] = serve(copy.deepcopy(model), PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS,
+                           logprobs=None, dtype=dtype)
+        assert bool(calls) == on and all(plain for _, plain in calls), calls
+        assert not on or min(rows for rows, _ in calls) == 1   # from one row (PLAIN_MIN_ROWS)
+    assert served[True].preemptions > 0
+    assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in served[False].outputs]
+    if expected is not None:
+        assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in expected]
     assert all(math.isnan(v) for _, logprobs in served[True].outputs for v in logprobs)

@@ -216,3 +216,124 @@ def test_bfloat16_rows_with_subnormal_values_take_the_full_logits(bf16_pass):
     x[1, 9] = 1e-30   # VDPBF16PS would flush its products' sums near there
     tokens, counts = head.tokens(x)
     assert tokens[1] == -1 and counts[1] == 0 and tokens[0] >= 0 and tokens[2] >= 0
+
+
+# plain output layers (no codes): Q8_0 codes found near the weight, the bound widened by what they miss, the
+# candidates' logits the weight's own through its route
+
+def _plain_head(kernel, weight):
+    """`weight` [N, K] (float32 or bfloat16) as a routed output layer, as the runner routes it, and its head."""
+    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(weight.dtype)
+    module.weight.data = weight
+    linear.route_linears(module)
+    routed = module.forward
+    assert routed.codes is None and (routed.panel is not None or routed.dot is not None)
+    head = greedy_head.build(module, kernel)
+    assert head is not None and head.codes is None and head.resids is not None and head.weight.dtype == weight.dtype
+    return routed, head
+
+
+def _plain_full(kernel, routed, x):
+    """The route's full logits (panel_linear's or bf16_linear's) and the sampler's first argmax of them."""
+    with torch.no_grad():
+        logits = routed(x)
+    best, index, _ = kernel.greedy_logsumexp(logits)
+    return best, index
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 24])
+def test_plain_float32_token_and_logit_are_the_panels(first_pass, rows):
+    if not first_pass.has_coded_simd():
+        pytest.skip("no float32 panels in this build")
+    weight = torch.randn(640, 96, generator=torch.Generator().manual_seed(20)) * 0.05
+    routed, head = _plain_head(first_pass, weight)
+    x = _rows(96)[:rows].contiguous()
+    best, index = _plain_full(first_pass, routed, x)
+    tokens, logit, counts = first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms,
+                                                 head.widest, head.weight, head.resids)
+    assert torch.equal(tokens, index) and torch.equal(logit.view(torch.int32), best.view(torch.int32))
+    if rows > 3:
+        assert counts[3] == 640   # all logits 0
+    assert counts[0] < 640 // 4, counts
+
+
+def test_plain_float32_many_rows_and_ties(first_pass):
+    """Every scale of x, outlier channels, and outputs that are copies of one another (the first index wins)."""
+    if not first_pass.has_coded_simd():
+        pytest.skip("no float32 panels in this build")
+    g = torch.Generator().manual_seed(21)
+    weight = torch.randn(1024, 128, generator=g) * torch.logspace(-3, 1, 1024)[:, None]
+    for n in (1020, 990, 1001):
+        weight[n] = weight[1000]
+    routed, head = _plain_head(first_pass, weight)
+    x = torch.randn(200, 128, generator=g) * torch.logspace(-6, 4, 200)[:, None]
+    x[::7, 5] *= 300.0
+    x[::11] = weight[1000] * torch.logspace(-3, 3, 19)[:, None]   # rows whose largest logits are the copies' ties
+    best, index = _plain_full(first_pass, routed, x.contiguous())
+    assert (index[::11] == 990).all()
+    tokens = head.tokens(x)[0]
+    assert tokens == index.tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 24])
+def test_plain_bfloat16_token_is_the_full_products(bf16_pass, rows):
+    weight = (torch.randn(640, 576, generator=torch.Generator().manual_seed(22)) * 0.05).to(torch.bfloat16)
+    routed, head = _plain_head(bf16_pass, weight)
+    x = _rows(576, seed=23)[:rows].to(torch.bfloat16)
+    x[4 % rows] = torch.randn(576, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16)   # no subnormals
+    _, index = _plain_full(bf16_pass, routed, x)
+    tokens, counts = head.tokens(x)
+    assert tokens == index.tolist()
+    assert min(counts) >= 1 and counts[0] < 640 // 4, counts
+
+
+def test_plain_bfloat16_many_rows_at_every_scale(bf16_pass):
+    g = torch.Generator().manual_seed(25)
+    weight = (torch.randn(1024, 576, generator=g) * torch.logspace(-3, 1, 1024)[:, None]).to(torch.bfloat16)
+    routed, head = _plain_head(bf16_pass, weight)
+    x = torch.randn(120, 576, generator=g) * torch.logspace(-6, 4, 120)[:, None]
+    x[::7, 5] *= 300.0
+    x = x.to(torch.bfloat16)
+    _, index = _plain_full(bf16_pass, routed, x)
+    assert head.tokens(x)[0] == index.tolist()
+
+
+def test_near_codes_bound_what_they_miss():
+    """The codes found near a plain weight: each within half a step of it, and the norms the bound weighs
+    (of scale * code, of w - scale * code) never under the real ones, one float32 step at most over."""
+    g = torch.Generator().manual_seed(26)
+    weight = torch.randn(48, 64, generator=g) * torch.logspace(-4, 2, 48)[:, None]
+    weight[5, :32] = 0.0   # a block of zeros: scale 0, codes 0
+    near = greedy_head.NearCodes(weight)
+    codes = near.codes.view(3, 2, 32, 16).double()
+    scales = near.scales.double()[:, :, None, :]
+    w = weight.double().view(3, 16, 2, 32).permute(0, 2, 3, 1)
+    assert (codes.abs() <= 127).all() and (near.scales[0, 0, 5] == 0)
+    assert ((w - codes * scales).abs() <= scales / 2 * (1 + 1e-9)).all()
+    assert (near.scales.double() >= w.abs().amax(2) / 127).all()   # rounded up: no code clamped
+    for got, exact in ((near.resids, (w - codes * scales).pow(2).sum(2).sqrt()),
+                       (near.norms, (codes * scales).pow(2).sum(2).sqrt())):
+        assert (got.double() >= exact).all()
+        assert (torch.nextafter(got, torch.tensor(float("-inf"))).double() < exact).all()
+    assert (near.absums.double() >= w.abs().sum(2)).all()
+
+
+def test_the_kernel_refuses_a_plain_weight_without_its_bound(first_pass):
+    weight = torch.randn(640, 96, generator=torch.Generator().manual_seed(27)) * 0.05
+    near = greedy_head.NearCodes(weight)
+    head = greedy_head.GreedyHead(first_pass, near, weight)
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="needs resid"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest[:, :2].contiguous(),
+                             weight, None)
+    with pytest.raises(RuntimeError, match="widest"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest[:, :2].contiguous(),
+                             weight, head.resids)
+    with pytest.raises(RuntimeError, match="codes without resid, or a weight"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest, None,
+                             head.resids)
+    # without panels (no packed copies) a float32 layer's logits are not the FMA chain: no head
+    plain = torch.nn.Linear(96, 640, bias=False)
+    plain.weight.data = weight
+    linear.route_linears(plain, packed=False)
+    assert greedy_head.build(plain, first_pass) is None
