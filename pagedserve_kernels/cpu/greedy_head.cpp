@@ -255,7 +255,7 @@ void group_wides(const QuantRows& xq, int64_t M, const Head& head, int64_t g, in
 // the 144 VPDPBUSD of a row and group (the second sweep bounds the few groups that can still hold the top).
 template <int R, int C, bool Ask>
 void approx_tile(const QuantRows& xq, int64_t M, int64_t m0, const Head& head, int64_t g, int64_t K, float* totals,
-                 float* tops, const float* wides, float* lower) {
+                 float* tops, const float* wides, float* lower, pagedserve::Ahead ahead) {
   const int64_t blocks = K / kBlock;
   __m512 total[R][C];
   for (int r = 0; r < R; ++r)
@@ -266,16 +266,15 @@ void approx_tile(const QuantRows& xq, int64_t M, int64_t m0, const Head& head, i
       const __m512i start = _mm512_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
       for (int c = 0; c < C; ++c) acc[r][c] = start;
     }
-    // the first tile of rows asks for the next C groups' codes and scales at the place read here
-    // (coded_linear.cpp's expand_pairs says why); the other tiles find these groups in the cache
+    // the first tile of rows asks for the next C groups' scales at the place read here (coded_linear.cpp's
+    // expand_pairs says why); every tile asks for its share of their codes (`ahead`), so that the memory keeps
+    // reading while the later tiles run over these groups from the cache
     if constexpr (Ask)
       for (int c = 0; c < C; ++c) __builtin_prefetch(head.scales + ((g + c + C) * blocks + b) * kGroup, 0, 3);
     for (int64_t j = 0; j < kBlock / 4; ++j) {
+      ahead.step();
       __m512i w[C];
-      for (int c = 0; c < C; ++c) {
-        if constexpr (Ask) __builtin_prefetch(head.packed + ((g + c + C) * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
-        w[c] = _mm512_loadu_si512(head.packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
-      }
+      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(head.packed + ((g + c) * (K / 4) + b * (kBlock / 4) + j) * 64);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
@@ -305,13 +304,19 @@ template <int C>
 void sweep_tiles(const QuantRows& xq, int64_t M, const Head& head, int64_t g, int64_t K, float slack, float* totals,
                  float* tops, float* wides, float* lower) {
   group_wides(xq, M, head, g, C, K / kBlock, slack, wides);
+  // the tiles that ask for the next C groups' codes: all of up to kAheadTiles (simd.h), else the first alone
+  // (with more tiles the arithmetic bounds the pass, and the streamer keeps up)
+  const int64_t tiles = (M + kTile - 1) / kTile, asking = tiles <= pagedserve::kAheadTiles ? tiles : 1;
   const auto tile = [&](auto ask, int64_t m0) {
     constexpr bool Ask = decltype(ask)::value;
+    const pagedserve::Ahead ahead = m0 / kTile < asking ?
+        pagedserve::Ahead(head.packed + (g + C) * K * kGroup, C * K * kGroup, m0 / kTile, asking, K / 4) :
+        pagedserve::Ahead();
     switch (std::min<int64_t>(kTile, M - m0)) {
-      case 1: approx_tile<1, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
-      case 2: approx_tile<2, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
-      case 3: approx_tile<3, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
-      default: approx_tile<4, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower); break;
+      case 1: approx_tile<1, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower, ahead); break;
+      case 2: approx_tile<2, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower, ahead); break;
+      case 3: approx_tile<3, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower, ahead); break;
+      default: approx_tile<4, C, Ask>(xq, M, m0, head, g, K, totals, tops, wides, lower, ahead); break;
     }
   };
   if (M > 0) tile(std::true_type{}, 0);
