@@ -7,16 +7,13 @@ logits of the few outputs that bound leaves in the running: the token, and its l
 full product gives. Needs AVX512-VNNI or AVX2 (`has_q8_argmax`, `q8_argmax_kind`); elsewhere, and with
 PAGEDSERVE_GREEDY_HEAD=0, every row takes the full logits.
 
-A bfloat16 output layer rounded from such codes takes the same first pass (its bound widened by the
-rounding) where its products are the AVX512-BF16 kernel's (ops/linear.py): the candidates' logits are then
-computed as that kernel computes them and rounded to bfloat16, and the token is the first index of the
-largest of those, as the sampler takes it from the full bfloat16 logits (`has_bf16_argmax`).
-
 A plain output layer (a model's own float weights, no codes) gets Q8_0 codes found near it at start
-(`near_codes`): the first pass reads those, and its bound grows by what the codes miss, per block the norm of
+(`NearCodes`): the first pass reads those, and its bound grows by what the codes miss, per block the norm of
 w - scale * code times the norm of x's block. The candidates' logits are the weight's own, as its route computes
-them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel. The codes and
-their bounds take about 1.4 bytes a weight beside the layer.
+them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel, rounded to
+bfloat16, the token the first index of the largest of those, as the sampler takes it from the full bfloat16
+logits (`has_bf16_argmax`). A bfloat16 layer rounded from Q8_0 codes is one too, its codes those it was rounded
+from (what they miss: the rounding). The codes and their bounds take about 1.4 bytes a weight beside the layer.
 """
 from __future__ import annotations
 
@@ -27,11 +24,12 @@ import torch
 from ops import quantized
 
 
-# Fewer rows than this, by the kernel's first pass, take the full logits: there the full product is
-# coded_linear's few-row path, bound by reading the layer's 28 MiB, which the first pass reads as well
-# (bench/greedy_head.py). AVX512-VNNI: no gain at 1-4 rows. AVX2 (two instructions for VNNI's one, and a
-# wider bound): no gain up to 8 rows, where the full product keeps its weights in registers.
-MIN_ROWS = {"avx512_vnni": 5, "avx2": 9}
+# Fewer rows than this, by the kernel's first pass, take the full logits where the layer is codes: there the full
+# product is the codes' few-row path, bound by reading the layer (SmolLM2's 28 MiB), which the first pass reads as
+# well (bench/greedy_head.py). AVX512-VNNI: even at one row, 0.75-0.87x the time from two (float32 and bfloat16).
+# AVX2 (two instructions for VNNI's one, and a wider bound): no gain up to 8 rows, where the full product keeps its
+# weights in registers.
+MIN_ROWS = {"avx512_vnni": 2, "avx2": 9}
 # A plain layer's full product reads 2 or 4 bytes a weight where the first pass reads about one and a half: on
 # the 415M model's output layer (bench/greedy_head.py --model) the head took 0.3-0.4x the float32 product's time
 # and 0.7-0.8x the bfloat16 one's at 1-64 rows, 0.5-0.7x the float32 one's on AVX2
@@ -65,9 +63,10 @@ class NearCodes:
     """Q8_0 codes found near a plain weight [N, K] and what the greedy head's bound needs of them, in the
     layouts of quantized.Codes: codes int8 [N / 16, K, 16], scales float16 [N / 16, K / 32, 16]; per output and
     block, absums (sum |w|, or |scale| * sum |codes| where larger), norms (of scale * code) and resids (of
-    w - scale * code), float32 [N / 16, K / 32, 16], rounded up."""
+    w - scale * code), float32 [N / 16, K / 32, 16], rounded up. `codes`: Q8_0 codes to take instead of finding
+    them (a bfloat16 weight's, rounded from them: its resids then only that rounding's)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, codes: quantized.Codes | None = None):
         n, k = weight.shape
         groups, blocks = n // quantized.GROUP, k // quantized.BLOCK
         self.codes = torch.empty(groups, k, quantized.GROUP, dtype=torch.int8)
@@ -77,12 +76,17 @@ class NearCodes:
             rows = slice(g * quantized.GROUP, (g + NORM_GROUPS) * quantized.GROUP)
             # [G, 16, B, 32] -> [G, B, 32, 16]: each block's 32 inputs, then the group's 16 outputs
             w = weight[rows].double().view(-1, quantized.GROUP, blocks, quantized.BLOCK).permute(0, 2, 3, 1)
-            scale = _half_up(w.abs().amax(2) / LEVELS)   # so that no code is clamped: |w - scale * code| <= scale / 2
+            part = slice(g, g + NORM_GROUPS)
+            if codes is not None:
+                scale = codes.scales[part]
+                code = codes.codes[part].view(-1, blocks, quantized.BLOCK, quantized.GROUP).double()
+            else:
+                scale = _half_up(w.abs().amax(2) / LEVELS)   # so that no code is clamped: |w - scale * code| <= scale / 2
             if not torch.isfinite(scale).all():
                 raise ValueError("weights beyond float16's range times 127: no Q8_0 codes near them")
             step = scale.double()[:, :, None, :]
-            code = torch.where(step > 0, w / torch.where(step > 0, step, 1.0), 0.0).round().clamp(-LEVELS, LEVELS)
-            part = slice(g, g + NORM_GROUPS)
+            if codes is None:
+                code = torch.where(step > 0, w / torch.where(step > 0, step, 1.0), 0.0).round().clamp(-LEVELS, LEVELS)
             self.codes[part] = code.to(torch.int8).reshape(-1, k, quantized.GROUP)
             self.scales[part] = scale
             near = code * step
@@ -94,9 +98,11 @@ class NearCodes:
 class GreedyHead:
     """The output layer's codes laid out for the kernel's first pass, beside the codes (or the weight) whose
     logits it recomputes. `codes`: the layer's own Q8_0 codes, or NearCodes of a plain weight (then `weight`,
-    float32 or bfloat16, is that layer's weight)."""
+    float32 or bfloat16, is that layer's weight). `codes_rows`: whether the layer's few rows read codes (its
+    own, or those it was rounded from)."""
 
-    def __init__(self, kernel, codes: quantized.Codes | NearCodes, weight: torch.Tensor | None = None):
+    def __init__(self, kernel, codes: quantized.Codes | NearCodes, weight: torch.Tensor | None = None,
+                 codes_rows: bool = True):
         near = isinstance(codes, NearCodes)
         self.kernel = kernel
         self.codes = None if near else codes   # the kernel recomputes from these (else from `weight`)
@@ -105,7 +111,9 @@ class GreedyHead:
         # logits that decide are its (or None: the codes')
         self.weight = weight
         self.kind = kernel.q8_argmax_kind()
-        self.min_rows = (PLAIN_MIN_ROWS if near else MIN_ROWS)[self.kind]   # a step's greedy rows it serves, at least
+        # a step's greedy rows it serves, at least: where the layer is codes, or rounded from them, its few rows
+        # read those
+        self.min_rows = (MIN_ROWS if codes_rows else PLAIN_MIN_ROWS)[self.kind]
         groups, k, lanes = codes.codes.shape
         # [N / 16, K / 4, 16, 4]: per group and four inputs, each row's four codes in one 32-bit lane,
         # plus 128 (the first pass multiplies unsigned bytes by the signed ones of x)
@@ -163,14 +171,17 @@ def build(head: torch.nn.Module, kernel) -> GreedyHead | None:
             return None
         codes = routed.plain_codes
         weight = weight.detach().contiguous()
-        return GreedyHead(kernel, codes if codes is not None and codes.kind == "q8_0" else NearCodes(weight), weight)
+        # (either kind of bfloat16 weight is as a plain one: the codes it was rounded from are nearest, its rounding
+        # what they miss)
+        return GreedyHead(kernel, NearCodes(weight, codes if codes is not None and codes.kind == "q8_0" else None),
+                          weight, codes_rows=codes is not None)
     if weight.dtype != torch.float32:
         return None
     codes = getattr(routed, "codes", None)
     if codes is None and getattr(routed, "panel", None) is not None:
         # panel_linear's logits: the FMA chain over k of the weight as it is
         weight = weight.detach().contiguous()
-        return GreedyHead(kernel, NearCodes(weight), weight)
+        return GreedyHead(kernel, NearCodes(weight), weight, codes_rows=False)
     if codes is None:
         codes = quantized.find_codes(weight)
     return GreedyHead(kernel, codes) if codes is not None and codes.kind == "q8_0" else None

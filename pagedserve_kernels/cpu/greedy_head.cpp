@@ -605,10 +605,9 @@ std::string q8_argmax_kind() {
 // sum |w| (at least |scale| * sum |codes|); norms float32 [N / 16, K / 32, 16]: the Euclidean norm of each
 // block's scale * code, rounded up; widest float32 [N / 16, 2 or 3, K / 32]: per group and block the largest
 // of its 16 norms, then of its absums, then (with resid) of its resids. The weights whose logits decide:
-// the codes' (codes given, weight None: coded_linear's FMA chain); weight bfloat16 [N, K] (bf16_linear's
-// sums rounded to bfloat16), either each the bfloat16 rounding of scale * code (resid None) or any (resid
-// given); weight float32 [N, K] (panel_linear's FMA chain; resid given). resid float32 [N / 16, K / 32, 16]:
-// for weights that are not the codes, the Euclidean norm of each block's w - scale * code, rounded up. Returns
+// the codes' (codes given, weight and resid None: coded_linear's FMA chain), or weight's, bfloat16 [N, K]
+// (bf16_linear's sums rounded to bfloat16) or float32 [N, K] (panel_linear's FMA chain), with resid float32
+// [N / 16, K / 32, 16]: the Euclidean norm of each block's w - scale * code, rounded up. Returns
 // the token [M] (int64; -1 for a row with a value that is not finite: the caller computes that row in full),
 // its logit [M] (float32) and how many outputs were computed exactly [M] (int64).
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> codes,
@@ -641,9 +640,9 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional
                                       weight->size(0) == groups * kGroup && weight->size(1) == K),
               "q8_argmax: weight bfloat16 or float32 [N, K]");
   TORCH_CHECK(!rounded || has_bf16_argmax(), "q8_argmax: this build has no AVX512-BF16 for a bfloat16 output layer");
-  TORCH_CHECK(!wide || plain, "q8_argmax: a float32 weight needs resid (weights that are codes take codes)");
-  TORCH_CHECK(weight.has_value() || (codes.has_value() && !plain),
-              "q8_argmax: codes without resid, or a weight: the logits that decide");
+  TORCH_CHECK(weight.has_value() == plain, "q8_argmax: a weight needs resid, and resid a weight (the codes' "
+              "logits take codes alone)");
+  TORCH_CHECK(weight.has_value() || codes.has_value(), "q8_argmax: codes or a weight: the logits that decide");
   TORCH_CHECK(!codes.has_value() || (codes->scalar_type() == at::kChar && codes->is_contiguous() &&
                                      codes->dim() == 3 && codes->size(0) == groups && codes->size(1) == K &&
                                      codes->size(2) == kGroup), "q8_argmax: codes int8 [N / 16, K, 16]");
@@ -665,14 +664,10 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional
   // the float roundings' share (see the top): the exact chain's own error is at most K * 2^-24 of
   // sum |w x|, itself at most kLevels * sum_b s_b |w_b| (|x| <= kLevels s in a block), and the first
   // pass's a few 2^-24 a block; twice that, and never under kSlack (0.01 covers SmolLM2's K = 576 twice)
-  float slack = std::max(kSlack, 2.f * static_cast<float>(K + blocks) * std::ldexp(1.f, -24) * kLevels);
+  const float slack = std::max(kSlack, 2.f * static_cast<float>(K + blocks) * std::ldexp(1.f, -24) * kLevels);
 #ifdef PAGEDSERVE_BF16_ARGMAX
   std::vector<pagedserve::bf16> xb;
   if (rounded) {
-    // the bfloat16 weight w = scale * code + r with |r| <= 2^-8 |scale * code| (one rounding to 8 significant
-    // bits), so sum r x is at most 2^-8 sum_b |scale_b| sum |codes| max |x_b| <= 2^-8 kLevels sum_b absum_b s_b:
-    // the cover's share grows by 2^-8 kLevels (a plain weight's r is bounded by resid instead)
-    if (!plain) slack += std::ldexp(static_cast<float>(kLevels), -8);
     // VDPBF16PS takes subnormal inputs as zeros and flushes subnormal sums: a row with a value under 2^-64 (the
     // products of such values with the layer's weights, at least 2^-24, could reach that range) takes the full
     // logits, as a row that is not finite

@@ -154,6 +154,8 @@ def _bf16_head(kernel, weight):
     module.forward = routed
     head = greedy_head.build(module, kernel)
     assert head is not None and head.weight is not None
+    # the codes it was rounded from are the first pass's, what they miss the rounding alone
+    assert torch.equal(head.scales, wide.scales) and head.resids is not None
     return routed, head
 
 
@@ -323,15 +325,16 @@ def test_the_kernel_refuses_a_plain_weight_without_its_bound(first_pass):
     near = greedy_head.NearCodes(weight)
     head = greedy_head.GreedyHead(first_pass, near, weight)
     x = torch.randn(2, 96)
-    with pytest.raises(RuntimeError, match="needs resid"):
-        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest[:, :2].contiguous(),
-                             weight, None)
+    narrow = head.widest[:, :2].contiguous()
+    with pytest.raises(RuntimeError, match="a weight needs resid"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, narrow, weight, None)
     with pytest.raises(RuntimeError, match="widest"):
-        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest[:, :2].contiguous(),
-                             weight, head.resids)
-    with pytest.raises(RuntimeError, match="codes without resid, or a weight"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, narrow, weight, head.resids)
+    with pytest.raises(RuntimeError, match="and resid a weight"):
         first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest, None,
                              head.resids)
+    with pytest.raises(RuntimeError, match="codes or a weight"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, narrow, None, None)
     # without panels (no packed copies) a float32 layer's logits are not the FMA chain: no head
     plain = torch.nn.Linear(96, 640, bias=False)
     plain.weight.data = weight
