@@ -81,7 +81,7 @@ constexpr int32_t kLevels = 64;     // VPMADDUBSW's int16 sums (see above)
 struct Head {
   const uint8_t* packed;    // codes + 128, [N / 16, K / 4, 16, 4]
   const at::Half* scales;   // [N / 16, K / 32, 16]
-  const float* absums;      // |scale| * sum |codes| per block, [N / 16, K / 32, 16]
+  const float* absums;      // |scale| * sum |codes| per block (a plain weight's: at least sum |w|), [N / 16, K / 32, 16]
   const float* norms;       // the Euclidean norm of the block's weights, rounded up, [N / 16, K / 32, 16]
   const float* widest;      // per group and block the largest of its 16 norms, then of its absums (then of its
                             // resids), [N / 16, 2 or 3, K / 32]
