@@ -264,8 +264,11 @@
         const counts = document.createElement("span");
         counts.className = "counts";
         li.append(swatch, req, state, counts);
-        li.addEventListener("mouseenter", () => { map.hovered = { replica: r, id: s.id }; li.classList.add("active"); render(); });
-        li.addEventListener("mouseleave", () => { map.hovered = null; li.classList.remove("active"); render(); });
+        li.addEventListener("mouseenter", () => { map.hovered = { replica: r, id: s.id }; render(); });
+        li.addEventListener("mouseleave", () => {
+          if (map.hovered && map.hovered.replica === r && map.hovered.id === s.id) map.hovered = null;
+          render();
+        });
         rows.set(key, li);
       }
       const [, req, state, counts] = li.children;
@@ -275,6 +278,9 @@
       state.className = "state state-" + s.state;
       counts.textContent = `${s.prompt}+${s.output} tok, ${s.table.filter((b) => b >= 0).length} blk`;
       li.dataset.state = s.state;
+      // the row marked is the one whose blocks the grids light up, drawn from the same snapshot: a row's own
+      // enter and leave events can come out of turn when rows move under a still pointer
+      li.classList.toggle("active", !!map.hovered && map.hovered.replica === r && map.hovered.id === s.id);
       list.append(li);   // moves it into order
     }
     for (const [key, li] of rows) {
