@@ -13,7 +13,7 @@ w - scale * code times the norm of x's block. The candidates' logits are the wei
 them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel, rounded to
 bfloat16, the token the first index of the largest of those, as the sampler takes it from the full bfloat16
 logits (`has_bf16_argmax`). A bfloat16 layer rounded from Q8_0 codes is one too, its codes those it was rounded
-from (what they miss: the rounding). The codes and their bounds take about 1.4 bytes a weight beside the layer.
+from (what they miss: the rounding). The codes and their bounds take about 1.5 bytes a weight beside the layer.
 """
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ from ops import quantized
 
 # Fewer rows than this, by the kernel's first pass, take the full logits where the layer is codes: there the full
 # product is the codes' few-row path, bound by reading the layer (SmolLM2's 28 MiB), which the first pass reads as
-# well (bench/greedy_head.py). AVX512-VNNI: even at one row, 0.75-0.87x the time from two (float32 and bfloat16).
+# well (bench/greedy_head.py). AVX512-VNNI: about even at one row; from two 0.72-0.80x the time in float32, and
+# 0.81-1.05x in bfloat16 (even at 2-5 rows, ahead from 8).
 # AVX2 (two instructions for VNNI's one, and a wider bound): no gain up to 8 rows, where the full product keeps its
 # weights in registers.
 MIN_ROWS = {"avx512_vnni": 2, "avx2": 9}
 # A plain layer's full product reads 2 or 4 bytes a weight where the first pass reads about one and a half: on
-# the 415M model's output layer (bench/greedy_head.py --model) the head took 0.3-0.4x the float32 product's time
-# and 0.7-0.8x the bfloat16 one's at 1-64 rows, 0.5-0.7x the float32 one's on AVX2
+# the 415M model's output layer (bench/greedy_head.py --model) the head took 0.32-0.48x the float32 product's
+# time and 0.58-0.75x the bfloat16 one's at 1-64 rows, 0.50-0.68x the float32 one's on AVX2
 PLAIN_MIN_ROWS = {"avx512_vnni": 1, "avx2": 1}
 
 

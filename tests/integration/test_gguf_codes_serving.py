@@ -103,6 +103,24 @@ def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
     assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
 
 
+def _on_and_off(kernel, model, monkeypatch, dtype: str, mark):
+    """`model` served in `dtype` (greedy rows, no log-probs asked for) with the greedy head on, then off: the two
+    results by on, and per run each q8_argmax call's rows and `mark` of its other arguments."""
+    real_argmax = kernel.q8_argmax
+    served, calls = {}, {}
+    for on in (True, False):
+        seen = calls[on] = []
+
+        def spy_argmax(x, *rest, seen=seen):
+            seen.append((x.shape[0], mark(rest)))
+            return real_argmax(x, *rest)
+        monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
+        monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if on else "0")
+        served[on] = serve(copy.deepcopy(model), PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS,
+                           logprobs=None, dtype=dtype)
+    return served, calls
+
+
 def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
     """Served in bfloat16 (its output layer the Q8_0 codes' rounding), greedy rows asking for no log-prob take
     the greedy head where the AVX512-BF16 kernel is the products' route, and get the tokens of the full
@@ -114,19 +132,11 @@ def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
     monkeypatch.setitem(greedy_head_module.MIN_ROWS, kernel.q8_argmax_kind(), 1)   # this pool's steps have 1-3 rows
     model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
     model.set_attn_implementation(attention.register())
-    calls, real_argmax = [], kernel.q8_argmax
-
-    def spy_argmax(x, *rest):
-        calls.append((x.shape[0], rest[6] is not None and rest[6].dtype == torch.bfloat16))   # (its weight)
-        return real_argmax(x, *rest)
-    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
-    served = {}
+    # (the weight it recomputes from: the bfloat16 layer's)
+    served, calls = _on_and_off(kernel, model, monkeypatch, "bfloat16",
+                                lambda rest: rest[6] is not None and rest[6].dtype == torch.bfloat16)
     for on in (True, False):
-        calls.clear()
-        monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if on else "0")
-        served[on] = serve(copy.deepcopy(model), PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS,
-                           logprobs=None, dtype="bfloat16")
-        assert bool(calls) == on and all(bf16 for _, bf16 in calls), calls   # the bfloat16 layer's
+        assert bool(calls[on]) == on and all(bf16 for _, bf16 in calls[on]), calls
     assert served[True].preemptions > 0
     assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in served[False].outputs]
     assert all(math.isnan(v) for _, logprobs in served[True].outputs for v in logprobs)
@@ -145,20 +155,11 @@ def test_plain_output_layer_greedy_head_gives_the_full_logits_tokens(dtype, monk
     model = build(SUPPORTED["Llama"], "eager", seed=5)
     expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS] if dtype == "float32" else None
     model.set_attn_implementation(attention.register())
-    calls, real_argmax = [], kernel.q8_argmax
-
-    def spy_argmax(x, *rest):
-        calls.append((x.shape[0], rest[1] is None and rest[-1] is not None))   # no codes; what they miss
-        return real_argmax(x, *rest)
-    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
-    served = {}
+    # (no codes to recompute from; what the codes near the weight miss)
+    served, calls = _on_and_off(kernel, model, monkeypatch, dtype, lambda rest: rest[1] is None and rest[-1] is not None)
     for on in (True, False):
-        calls.clear()
-        monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if on else "0")
-        served[on] = serve(copy.deepcopy(model), PROMPTS, MAX_TOKENS, block_size=4, num_blocks=NUM_BLOCKS,
-                           logprobs=None, dtype=dtype)
-        assert bool(calls) == on and all(plain for _, plain in calls), calls
-        assert not on or min(rows for rows, _ in calls) == 1   # from one row (PLAIN_MIN_ROWS)
+        assert bool(calls[on]) == on and all(plain for _, plain in calls[on]), calls
+    assert min(rows for rows, _ in calls[True]) == 1   # from one row (PLAIN_MIN_ROWS)
     assert served[True].preemptions > 0
     assert [tokens for tokens, _ in served[True].outputs] == [tokens for tokens, _ in served[False].outputs]
     if expected is not None:

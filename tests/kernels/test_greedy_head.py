@@ -167,14 +167,17 @@ def _bf16_full(kernel, routed, x):
     return logits, index
 
 
-@pytest.mark.parametrize("rows", [5, 24])
-def test_bfloat16_token_is_the_full_products(bf16_pass, rows):
-    # K = 576 as SmolLM2's: the AVX512-BF16 kernel sums it in two chunks (512 inputs, then 64)
-    weight = q8_0_form(torch.randn(640, 576, generator=torch.Generator().manual_seed(7)) * 0.05)
-    routed, head = _bf16_head(bf16_pass, weight)
+@pytest.mark.parametrize("rows", [1, 5, 24])
+@pytest.mark.parametrize("plain", [False, True])
+def test_bfloat16_token_is_the_full_products(bf16_pass, plain, rows):
+    """A bfloat16 layer rounded from Q8_0 codes, or a plain one (codes found near it). K = 576 as SmolLM2's: the
+    AVX512-BF16 kernel sums it in two chunks (512 inputs, then 64)."""
+    weight = torch.randn(640, 576, generator=torch.Generator().manual_seed(7)) * 0.05
+    routed, head = _plain_head(bf16_pass, weight.to(torch.bfloat16)) if plain else \
+        _bf16_head(bf16_pass, q8_0_form(weight))
     x = _rows(576, seed=8)[:rows].to(torch.bfloat16)
     x[4 % rows] = torch.randn(576, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)   # no subnormals
-    _, index = _bf16_full(bf16_pass, routed, x)
+    _, index = _plain_full(bf16_pass, routed, x)
     tokens, counts = head.tokens(x)
     assert tokens == index.tolist()
     assert min(counts) >= 1 and counts[0] < weight.shape[0] // 4, counts
@@ -275,18 +278,6 @@ def test_plain_float32_many_rows_and_ties(first_pass):
     assert (index[::11] == 990).all()
     tokens = head.tokens(x)[0]
     assert tokens == index.tolist()
-
-
-@pytest.mark.parametrize("rows", [1, 5, 24])
-def test_plain_bfloat16_token_is_the_full_products(bf16_pass, rows):
-    weight = (torch.randn(640, 576, generator=torch.Generator().manual_seed(22)) * 0.05).to(torch.bfloat16)
-    routed, head = _plain_head(bf16_pass, weight)
-    x = _rows(576, seed=23)[:rows].to(torch.bfloat16)
-    x[4 % rows] = torch.randn(576, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16)   # no subnormals
-    _, index = _plain_full(bf16_pass, routed, x)
-    tokens, counts = head.tokens(x)
-    assert tokens == index.tolist()
-    assert min(counts) >= 1 and counts[0] < 640 // 4, counts
 
 
 def test_plain_bfloat16_many_rows_at_every_scale(bf16_pass):
