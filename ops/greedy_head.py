@@ -92,7 +92,7 @@ class NearCodes:
             self.scales[part] = scale
             near = code * step
             self.absums[part] = _up(torch.maximum(w.abs().sum(2), near.abs().sum(2)))
-            self.norms[part] = _up(near.pow(2).sum(2).sqrt())
+            self.norms[part] = _norms_up(code, scale)
             self.resids[part] = _up((w - near).pow(2).sum(2).sqrt())
 
 
