@@ -51,11 +51,12 @@ def explain(runner, hf, prompt: list[int]) -> None:
                            cfg.hidden_size // cfg.num_attention_heads, dtype=torch.bfloat16)
         ctx = StepContext(pool, torch.arange(P, dtype=torch.int64), tables, lens, starts, P, backend=runner.backend,
                           kernel_rows=rows)
-        lean.layers = every[:n]
+        # the first n layers alone, one call each: the kernel's layers in one call (CodedLayers) run them all
+        coded, lean.coded_layers, lean.layers = lean.coded_layers, None, every[:n]
         try:
             return lean(ids, torch.arange(P), ctx)
         finally:
-            lean.layers = every
+            lean.layers, lean.coded_layers = every, coded
 
     with torch.inference_mode():
         hidden = hf(ids[None], output_hidden_states=True).hidden_states
