@@ -3,8 +3,10 @@
 
 transformers' bfloat16 SDPA on a CPU runs torch's flash-attention kernel, which takes both products from
 MKL's bfloat16 GEMM. The order in which that GEMM adds its float32 terms is MKL's own and depends on the CPU
-(the kernel follows the one read from MKL's AVX2 path on an AVX-512 CPU: pagedserve_kernels/cpu/paged_decode.cpp;
-on an AVX2-only CPU some rows differ, the check says so, and the kernel keeps its own order there). Checked
+(the kernel follows the one read from MKL's AVX2 path on an AMD AVX-512 CPU: pagedserve_kernels/cpu/paged_decode.cpp;
+on an AVX2-only CPU some rows differ, the check says so, and the kernel keeps its own order there). With AMX tiles
+MKL takes another order for calls of two or more query rows, which the kernel also knows (a prompt's rows); its
+order for a decode row there is not read yet, so on such a CPU the check fails and the kernel keeps its own. Checked
 once per process, on random attention in a paged pool against SDPA as transformers calls it: decode rows
 past one and two blocks of 512 keys, and the rows of prompts whose calls take each shape of product."""
 from __future__ import annotations
@@ -80,10 +82,14 @@ CHECK_SEEDS = (0, 2, 3, 4)
 
 @functools.cache
 def mkl_order_matches(kernel, lanes: int) -> bool:
-    """True when the kernel's rows with the products in MKL's order equal SDPA's on every check case."""
-    for queries, keys in CHECK_CASES:
-        for offset in CHECK_SEEDS:
-            args, expected = sdpa_case(queries, keys, seed=keys + offset)
-            if not torch.equal(kernel_attention(kernel, args, lanes, True), expected):
-                return False
-    return True
+    """True when the kernel's rows with the products in MKL's order equal SDPA's on every check case, in one
+    of the orders the kernel knows: MKL's AVX2 path's, or (calls of two or more query rows) its AMX tiles'
+    (`set_sdpa_tile_order`), which stays set when it is the one that matches."""
+    for tiles in (False, True):
+        kernel.set_sdpa_tile_order(tiles)
+        if all(torch.equal(kernel_attention(kernel, args, lanes, True), expected)
+               for args, expected in (sdpa_case(queries, keys, seed=keys + offset)
+                                      for queries, keys in CHECK_CASES for offset in CHECK_SEEDS)):
+            return True
+    kernel.set_sdpa_tile_order(False)
+    return False

@@ -34,6 +34,7 @@
 #include "aten.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -716,6 +717,13 @@ inline float exp_shifted_sum16(float* s, int64_t n, float m) {
 // one by one from the last; otherwise one sequential sum over the keys (masked keys add zeros). The
 // products of two bfloat16 values are exact in float32, so an FMA adds exactly what MKL adds.
 constexpr int64_t kMklSeqRows = 4, kMklSeqKeys = 12;
+// On a CPU with AMX tiles MKL takes another order for calls of two or more query rows, read term by term from
+// its cblas_gemm_bf16bf16f32 on an Intel Xeon with AMX: the sum over k (q.k's dimensions, or the weighted
+// values' keys) goes in groups of 32 from the first; in each group the even and the odd terms are two sequential
+// sums, added together, and that to the running sum. A decode row (one query row) keeps the order above.
+// Chosen once per process by the start-up check (set_sdpa_tile_order), as MKL's own choice is per CPU.
+constexpr int64_t kTileGroup = 32;
+std::atomic<bool> g_tile_order{false};
 
 // dimensions d of q.k summed in `chains` chains over d mod chains, the chains then added pairwise as
 // MKL does (chains 4: (0 + 2) + (1 + 3); 8: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))); 1: sequential
@@ -726,6 +734,21 @@ inline float dot_chains(const float* q, const T* k, int64_t D, int chains) {
   if (chains == 1) return c[0];
   if (chains == 4) return (c[0] + c[2]) + (c[1] + c[3]);
   return ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
+}
+
+// q.k summed in MKL's tile order (above)
+template <typename T>
+inline float dot_tiles(const float* q, const T* k, int64_t D) {
+  float total = 0.f;
+  for (int64_t g = 0; g < D; g += kTileGroup) {
+    float even = 0.f, odd = 0.f;
+    for (int64_t d = g; d < std::min(D, g + kTileGroup); d += 2) {
+      even = std::fma(q[d], pagedserve::to_float(k[d]), even);
+      if (d + 1 < D) odd = std::fma(q[d + 1], pagedserve::to_float(k[d + 1]), odd);
+    }
+    total += even + odd;
+  }
+  return total;
 }
 
 // the row of position p of head h in `cache`
@@ -825,7 +848,7 @@ inline void transpose16(__m512i (&r)[16]) {
 // Returns where it stopped (p0 for float32 keys or an odd NV: the rest is the caller's).
 template <int NV, int C, typename T>
 int64_t seq_scores_bf16(const Shape& sh, const float (&qf)[C][16 * NV], const T* kc, const int32_t* table,
-                        int64_t h, int64_t p0, int64_t p1, int64_t len, float* scores) {
+                        int64_t h, int64_t p0, int64_t p1, int64_t len, float* scores, bool tiles) {
   if constexpr (!std::is_same<T, pagedserve::bf16>::value || NV % 2 != 0) {
     return p0;
   } else {
@@ -834,20 +857,27 @@ int64_t seq_scores_bf16(const Shape& sh, const float (&qf)[C][16 * NV], const T*
       const int64_t n = std::min<int64_t>(16, p1 - p);
       const T* rows[16];
       for (int64_t i = 0; i < 16; ++i) rows[i] = position_row(sh, kc, table, p + std::min(i, n - 1), h);
-      __m512 acc[C];
+      __m512 acc[C], odds[C];
       for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
       for (int half = 0; half < NV / 2; ++half) {   // 32 dimensions: 16 words of every row
         __m512i words[16];
         for (int i = 0; i < 16; ++i) words[i] = _mm512_loadu_si512(rows[i] + 32 * half);
         transpose16(words);
+        // the tile order: the group's even and odd dimensions in sums of their own (`evens` in acc's place)
+        __m512 evens[C];
+        for (int c = 0; c < C; ++c) evens[c] = odds[c] = _mm512_setzero_ps();
+        __m512 (&even_sum)[C] = tiles ? evens : acc;
+        __m512 (&odd_sum)[C] = tiles ? odds : acc;
         for (int j = 0; j < 16; ++j) {
           const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(words[j], 16));
           const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(words[j], high));
           for (int c = 0; c < C; ++c) {
-            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][32 * half + 2 * j]), even, acc[c]);
-            acc[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][32 * half + 2 * j + 1]), odd, acc[c]);
+            even_sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][32 * half + 2 * j]), even, even_sum[c]);
+            odd_sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c][32 * half + 2 * j + 1]), odd, odd_sum[c]);
           }
         }
+        if (tiles)
+          for (int c = 0; c < C; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_add_ps(evens[c], odds[c]));
       }
       const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
       for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(scores + c * len + p, keep, acc[c]);
@@ -867,11 +897,12 @@ void mkl_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const i
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(qf[c] + 16 * v, qv[c][v]);
   for (int64_t b0 = 0; b0 < len; b0 += kSdpaBlock) {
     const int64_t m = std::min(kSdpaBlock, end - b0), stop = std::min(len, b0 + kSdpaBlock);
-    if (qrows >= kMklSeqRows && m >= kMklSeqKeys) {
-      const int64_t vec_end = seq_scores_bf16<NV, C, T>(sh, qf, kc, table, h, b0, stop, len, scores);
+    const bool tiles = g_tile_order.load(std::memory_order_relaxed) && qrows >= 2;
+    if (tiles || (qrows >= kMklSeqRows && m >= kMklSeqKeys)) {
+      const int64_t vec_end = seq_scores_bf16<NV, C, T>(sh, qf, kc, table, h, b0, stop, len, scores, tiles);
       for (int64_t p = vec_end; p < stop; ++p) {
         const T* k = position_row(sh, kc, table, p, h);
-        for (int c = 0; c < C; ++c) scores[c * len + p] = dot_chains(qf[c], k, D, 1);
+        for (int c = 0; c < C; ++c) scores[c * len + p] = tiles ? dot_tiles(qf[c], k, D) : dot_chains(qf[c], k, D, 1);
       }
       continue;
     }
@@ -967,6 +998,9 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   const bool fours = mkl && qrows == 1;
   const int64_t tail_from = fours ? len - (len % kSdpaBlock) % 4 : len;
   const T* tail[4];
+  // MKL's tile order (two or more query rows): per group of kTileGroup keys, the even and the odd keys' sums
+  const bool tiles = mkl && qrows >= 2 && g_tile_order.load(std::memory_order_relaxed);
+  __m512 group_sum[2][C][NV];
   walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
       for (int c = 0; c < C; ++c) {
@@ -974,7 +1008,21 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
         for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
       }
     const T* val = row + h * sh.head_dim;
-    if (!fours) {
+    if (tiles) {
+      if (p % kTileGroup == 0)
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < NV; ++v) group_sum[0][c][v] = group_sum[1][c][v] = _mm512_setzero_ps();
+      for (int v = 0; v < NV; ++v) {
+        const __m512 vv = pagedserve::load16(val + 16 * v);
+        for (int c = 0; c < C; ++c)
+          group_sum[p % 2][c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + p]), vv, group_sum[p % 2][c][v]);
+      }
+      // the group ends at its 32nd key, the call's block's last, or the row's last (later keys add zeros)
+      if (p % kTileGroup == kTileGroup - 1 || p + 1 == len || (p + 1) % kSdpaBlock == 0)
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < NV; ++v)
+            acc[c][v] = _mm512_add_ps(acc[c][v], _mm512_add_ps(group_sum[0][c][v], group_sum[1][c][v]));
+    } else if (!fours) {
       add_one(p, val);
     } else if (p >= tail_from) {
       tail[p - tail_from] = val;
@@ -1088,6 +1136,9 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
 }
 
 }  // namespace
+
+void set_sdpa_tile_order(bool on) { g_tile_order.store(on); }
+bool sdpa_tile_order() { return g_tile_order.load(); }
 
 void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor tokens, double scale,
