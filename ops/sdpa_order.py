@@ -5,8 +5,9 @@ transformers' bfloat16 SDPA on a CPU runs torch's flash-attention kernel, which 
 MKL's bfloat16 GEMM. The order in which that GEMM adds its float32 terms is MKL's own and depends on the CPU
 (the kernel follows the one read from MKL's AVX2 path on an AMD AVX-512 CPU: pagedserve_kernels/cpu/paged_decode.cpp;
 on an AVX2-only CPU some rows differ, the check says so, and the kernel keeps its own order there). With AMX tiles
-MKL takes another order for calls of two or more query rows, which the kernel also knows (a prompt's rows); its
-order for a decode row there is not read yet, so on such a CPU the check fails and the kernel keeps its own. Checked
+MKL takes other orders, which the kernel also knows ("the tile order", `set_sdpa_tile_order`): there every decode
+row, and every row of a prompt of up to TILE_EXACT_PROMPT tokens, is SDPA's bit for bit; a longer prompt's rows
+can differ in a few values (torch's calls for those are not read yet). Checked
 once per process, on random attention in a paged pool against SDPA as transformers calls it: decode rows
 past one and two blocks of 512 keys, and the rows of prompts whose calls take each shape of product."""
 from __future__ import annotations
@@ -74,6 +75,9 @@ def prompt_runs(args: tuple, runs: tuple[int, ...], backend, max_query: int | No
     return results
 
 
+# the longest prompt whose rows the tile order gives SDPA's bits on every seed tried (see the module's docstring)
+TILE_EXACT_PROMPT = 64
+
 # Random inputs per case: where the orders differ, a case shows it on some inputs only (on an AVX2-only
 # CPU a few of 8 seeds differ in one to thirty values), so one seed per case can pass by luck. The
 # tests draw seed keys + 1, outside these.
@@ -83,8 +87,8 @@ CHECK_SEEDS = (0, 2, 3, 4)
 @functools.cache
 def mkl_order_matches(kernel, lanes: int) -> bool:
     """True when the kernel's rows with the products in MKL's order equal SDPA's on every check case, in one
-    of the orders the kernel knows: MKL's AVX2 path's, or (calls of two or more query rows) its AMX tiles'
-    (`set_sdpa_tile_order`), which stays set when it is the one that matches."""
+    of the orders the kernel knows: MKL's AVX2 path's, or its AMX tiles' (`set_sdpa_tile_order`), which stays
+    set when it is the one that matches."""
     for tiles in (False, True):
         kernel.set_sdpa_tile_order(tiles)
         if all(torch.equal(kernel_attention(kernel, args, lanes, True), expected)

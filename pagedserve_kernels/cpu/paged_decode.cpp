@@ -717,11 +717,14 @@ inline float exp_shifted_sum16(float* s, int64_t n, float m) {
 // one by one from the last; otherwise one sequential sum over the keys (masked keys add zeros). The
 // products of two bfloat16 values are exact in float32, so an FMA adds exactly what MKL adds.
 constexpr int64_t kMklSeqRows = 4, kMklSeqKeys = 12;
-// On a CPU with AMX tiles MKL takes another order for calls of two or more query rows, read term by term from
-// its cblas_gemm_bf16bf16f32 on an Intel Xeon with AMX: the sum over k (q.k's dimensions, or the weighted
-// values' keys) goes in groups of 32 from the first; in each group the even and the odd terms are two sequential
-// sums, added together, and that to the running sum. A decode row (one query row) keeps the order above.
-// Chosen once per process by the start-up check (set_sdpa_tile_order), as MKL's own choice is per CPU.
+// On a CPU with AMX tiles MKL takes other orders, read term by term from its cblas_gemm_bf16bf16f32 on an Intel
+// Xeon with AMX ("the tile order"). A call of two or more query rows: the sum over k (q.k's dimensions, or the
+// weighted values' keys) goes in groups of 32 from the first; in each group the even and the odd terms are two
+// sequential sums, added together, and that to the running sum. A decode row (one query row): q.k in 16 lanes,
+// lane i adding dimensions 2i + 1 and then 2i of each group of 32 in turn; lane i + 8 added to lane i, and the
+// eight lanes then pairwise ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); the weighted values per group of 8
+// keys, from zero, keys 2j + 1 and then 2j, each group's sum added to the running sum. Chosen once per process
+// by the start-up check (set_sdpa_tile_order), as MKL's own choice is per CPU.
 constexpr int64_t kTileGroup = 32;
 std::atomic<bool> g_tile_order{false};
 
@@ -886,6 +889,52 @@ int64_t seq_scores_bf16(const Shape& sh, const float (&qf)[C][16 * NV], const T*
   }
 }
 
+// scores[c * len + p] = <q_c, k_p> for p in [0, len) as MKL's tile order adds a decode row's (above), for
+// bfloat16 keys and an even NV; false (nothing done) otherwise. Sixteen keys at a time: each key's 16 lanes,
+// then the keys' lanes transposed so that the lane sums run across 16 keys at once.
+template <int NV, int C, typename T>
+bool pair_lane_scores(const Shape& sh, const __m512 (&qv)[C][NV], const T* kc, const int32_t* table, int64_t h,
+                      int64_t len, float* scores) {
+  if constexpr (!std::is_same<T, pagedserve::bf16>::value || NV % 2 != 0) {
+    return false;
+  } else {
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m512 q_even[C][NV / 2], q_odd[C][NV / 2];   // lane i: dimension 32 g + 2i (+ 1)
+    for (int c = 0; c < C; ++c)
+      for (int g = 0; g < NV / 2; ++g) {
+        q_even[c][g] = _mm512_permutex2var_ps(qv[c][2 * g], evens, qv[c][2 * g + 1]);
+        q_odd[c][g] = _mm512_permutex2var_ps(qv[c][2 * g], odds, qv[c][2 * g + 1]);
+      }
+    for (int64_t p = 0; p < len; p += 16) {
+      const int64_t n = std::min<int64_t>(16, len - p);
+      const T* rows[16];
+      for (int64_t i = 0; i < 16; ++i) rows[i] = position_row(sh, kc, table, p + std::min(i, n - 1), h);
+      for (int c = 0; c < C; ++c) {
+        __m512i lanes[16];
+        for (int i = 0; i < 16; ++i) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int g = 0; g < NV / 2; ++g) {
+            const __m512i words = _mm512_loadu_si512(rows[i] + 32 * g);
+            acc = _mm512_fmadd_ps(q_odd[c][g], _mm512_castsi512_ps(_mm512_and_si512(words, high)), acc);
+            acc = _mm512_fmadd_ps(q_even[c][g], _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)), acc);
+          }
+          lanes[i] = _mm512_castps_si512(acc);
+        }
+        transpose16(lanes);   // lanes[j]: lane j of the 16 keys
+        __m512 w[8];
+        for (int j = 0; j < 8; ++j)
+          w[j] = _mm512_add_ps(_mm512_castsi512_ps(lanes[j]), _mm512_castsi512_ps(lanes[j + 8]));
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(w[0], w[1]), _mm512_add_ps(w[2], w[3])),
+                                         _mm512_add_ps(_mm512_add_ps(w[4], w[5]), _mm512_add_ps(w[6], w[7])));
+        _mm512_mask_storeu_ps(scores + c * len + p, static_cast<__mmask16>((1u << n) - 1u), sum);
+      }
+    }
+    return true;
+  }
+}
+
 // The item's scores q.k (unscaled) in MKL's order for a row of a call of `qrows` query rows over `end`
 // keys (blocks of kSdpaBlock, as torch splits them).
 template <int NV, int C, typename T>
@@ -954,7 +1003,12 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   // scores[c * len + p] = <scale * q_c, k_p>
   const bool mkl = sdpa && qrows > 0;
   const T* group[4];   // MKL's order for a decode row: keys four at a time, as the walk (and its prefetch) goes
-  if (mkl && qrows == 1) {
+  // a decode row in the tile order: its scores, and below its weighted values in groups of 8 keys
+  const bool tile_row = mkl && qrows == 1 && NV % 2 == 0 && g_tile_order.load(std::memory_order_relaxed) &&
+                        pair_lane_scores<NV, C, T>(sh, qv, kc, table, h, len, scores);
+  if (tile_row) {
+    // (scored above)
+  } else if (mkl && qrows == 1) {
     const QuarterQueries<NV, C> qb(qv);
     walk_context(kc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
       group[p % 4] = row + h * sh.head_dim;
@@ -995,7 +1049,7 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ps(w, vv[v], acc[c][v]);
     }
   };
-  const bool fours = mkl && qrows == 1;
+  const bool fours = mkl && qrows == 1 && !tile_row;
   const int64_t tail_from = fours ? len - (len % kSdpaBlock) % 4 : len;
   const T* tail[4];
   // MKL's tile order (two or more query rows): per group of kTileGroup keys, the even and the odd keys' sums
@@ -1008,7 +1062,29 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
         for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_mul_ps(acc[c][v], factor);
       }
     const T* val = row + h * sh.head_dim;
-    if (tiles) {
+    if (tile_row) {   // keys 2j + 1 then 2j, into a group sum of 8 keys (group_sum[0])
+      if (p % 8 == 0)
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < NV; ++v) group_sum[0][c][v] = _mm512_setzero_ps();
+      const auto add = [&](int64_t key, const T* key_val) {
+        for (int v = 0; v < NV; ++v) {
+          const __m512 vv = pagedserve::load16(key_val + 16 * v);
+          for (int c = 0; c < C; ++c)
+            group_sum[0][c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + key]), vv, group_sum[0][c][v]);
+        }
+      };
+      if (p % 2 == 1) {
+        add(p, val);
+        add(p - 1, tail[0]);
+      } else if (p + 1 == len) {
+        add(p, val);
+      } else {
+        tail[0] = val;
+      }
+      if ((p % 2 == 1 && p % 8 == 7) || p + 1 == len)
+        for (int c = 0; c < C; ++c)
+          for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_add_ps(acc[c][v], group_sum[0][c][v]);
+    } else if (tiles) {
       if (p % kTileGroup == 0)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) group_sum[0][c][v] = group_sum[1][c][v] = _mm512_setzero_ps();
