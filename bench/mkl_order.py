@@ -1,0 +1,146 @@
+"""The order in which MKL's bfloat16 GEMM (cblas_gemm_bf16bf16f32, inside torch) adds its float32 terms, for the
+two products of torch's flash attention: q.k (k = the head's 64 dimensions) and the weighted values (k = the
+keys). pagedserve_kernels/cpu/paged_decode.cpp follows the order MKL takes on the CPU (ops/sdpa_order.py checks
+which); this reads it from MKL itself, through ctypes, so that a new CPU's order can be read term by term.
+
+    python bench/mkl_order.py                 # the kernel's known orders against MKL on random products
+    python bench/mkl_order.py --tree 100,1,0  # which terms of q.k meet before term 0 (100 keys, one query row)
+
+--tree M,N,B: per pair of dimensions x, y, whether their terms are added together before the term of
+dimension B joins them ("1") or after ("0"), for an output of a call of M keys and N query rows; the terms are
+1 at B and 2^-24 at x and y (half a unit in the last place of 1: 1 + 2^-23 only when x and y met first).
+The default run prints, per order, the outputs whose bits differ from MKL's on random bfloat16 inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+
+import numpy as np
+import torch
+
+COL, NO, TRANS = 102, 111, 112   # CBLAS's column-major layout and transposes
+D = 64                            # SmolLM2's head dimension
+
+
+def mkl_gemm():
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    fn = lib.cblas_gemm_bf16bf16f32
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    fn.restype, fn.argtypes = None, [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+    return fn
+
+
+def scores(gemm, keys: torch.Tensor, queries: torch.Tensor) -> np.ndarray:
+    """[N, M] = queries . keys^T as torch's flash attention calls MKL for it (keys [M, D], queries [N, D])."""
+    m, n = keys.shape[0], queries.shape[0]
+    out = torch.zeros(n * m)
+    gemm(COL, TRANS, NO, m, n, D, 1.0, keys.data_ptr(), D, queries.data_ptr(), D, 0.0, out.data_ptr(), m)
+    return out.view(n, m).numpy()
+
+
+def weighted(gemm, values: torch.Tensor, weights: torch.Tensor) -> np.ndarray:
+    """[N, D] = weights . values as torch calls MKL for it (values [K, D], weights [N, K], bfloat16)."""
+    k, n = values.shape[0], weights.shape[0]
+    out = torch.zeros(n * D)
+    gemm(COL, NO, NO, D, n, k, 1.0, values.data_ptr(), D, weights.data_ptr(), k, 0.0, out.data_ptr(), D)
+    return out.view(n, D).numpy()
+
+
+def _chain(terms: np.ndarray, indices) -> np.ndarray:
+    acc = np.zeros(terms.shape[:-1], np.float32)
+    for i in indices:
+        acc = (acc + terms[..., i]).astype(np.float32)
+    return acc
+
+
+def tile_order(terms: np.ndarray) -> np.ndarray:
+    """Two or more query rows with AMX tiles: per group of 32 terms, the even and the odd ones in sums of their
+    own, added together and then to the running sum."""
+    k, total = terms.shape[-1], np.zeros(terms.shape[:-1], np.float32)
+    for g in range(0, k, 32):
+        end = min(k, g + 32)
+        total = (total + (_chain(terms, range(g, end, 2)) + _chain(terms, range(g + 1, end, 2)))).astype(np.float32)
+    return total
+
+
+def _pairs_odd_first(terms: np.ndarray, indices) -> np.ndarray:
+    acc, k = np.zeros(terms.shape[:-1], np.float32), terms.shape[-1]
+    for j in indices:
+        if j + 1 < k:
+            acc = (acc + terms[..., j + 1]).astype(np.float32)
+        acc = (acc + terms[..., j]).astype(np.float32)
+    return acc
+
+
+def decode_scores_order(terms: np.ndarray) -> np.ndarray:
+    """One query row's q.k with AMX tiles: 16 lanes, lane i adding dimensions 2i + 1, then 2i, of each group of
+    32; lane i + 8 added to lane i, then the eight lanes pairwise."""
+    lanes = [_pairs_odd_first(terms, range(2 * i, D, 32)) for i in range(16)]
+    sums = [(lanes[i] + lanes[i + 8]).astype(np.float32) for i in range(8)]
+    while len(sums) > 1:
+        sums = [(sums[i] + sums[i + 1]).astype(np.float32) for i in range(0, len(sums), 2)]
+    return sums[0]
+
+
+def decode_values_order(terms: np.ndarray) -> np.ndarray:
+    """One query row's weighted values with AMX tiles: per group of 8 keys, from zero, keys 2j + 1 then 2j; each
+    group's sum added to the running sum."""
+    k, total = terms.shape[-1], np.zeros(terms.shape[:-1], np.float32)
+    for g in range(0, k, 8):
+        total = (total + _pairs_odd_first(terms, range(g, min(k, g + 8), 2))).astype(np.float32)
+    return total
+
+
+def check(gemm, seeds: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(n, m) for n in (1, 2, 7, 32) for m in (2, 5, 17, 64, 97, 193, 512)]
+    for n, m in shapes:
+        differ, total = [0, 0], 0
+        for _ in range(seeds):
+            keys, queries = (torch.randn(r, D, generator=gen).to(torch.bfloat16) for r in (m, n))
+            weights = torch.rand(n, m, generator=gen).to(torch.bfloat16)
+            s_terms = (queries.float()[:, None, :] * keys.float()[None]).numpy()
+            v_terms = (weights.float()[:, None, :] * keys.float().T[None]).numpy()
+            s_order, v_order = (decode_scores_order, decode_values_order) if n == 1 else (tile_order, tile_order)
+            differ[0] += int((s_order(s_terms) != scores(gemm, keys, queries)).sum())
+            differ[1] += int((v_order(v_terms) != weighted(gemm, keys, weights)).sum())
+            total += n * m
+        print(f"{n:3d} query rows, {m:3d} keys: q.k {differ[0]} of {total} differ, weighted values {differ[1]} of "
+              f"{n * D * seeds} differ")
+
+
+def tree(gemm, m: int, n: int, b: int) -> None:
+    tiny = 2.0 ** -12
+    for x in range(D):
+        line = []
+        for y in range(D):
+            if x == b or y in (x, b):
+                line.append("b" if x == b else ".")
+                continue
+            keys, queries = torch.zeros(m, D), torch.ones(n, D)
+            keys[0, b], keys[0, x], keys[0, y] = 1.0, tiny, tiny
+            queries[0, x] = queries[0, y] = tiny
+            value = scores(gemm, keys.to(torch.bfloat16), queries.to(torch.bfloat16))[0, 0]
+            line.append("1" if value == np.float32(1 + 2.0 ** -23) else "0")
+        print(f"{x:2d} {''.join(line)}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tree", help="M,N,B: keys, query rows, the dimension whose term the others meet")
+    ap.add_argument("--seeds", type=int, default=3, help="random inputs per shape")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    gemm = mkl_gemm()
+    if args.tree:
+        tree(gemm, *(int(v) for v in args.tree.split(",")))
+    else:
+        print("the kernel's tile order (AMX) against MKL's cblas_gemm_bf16bf16f32 on this CPU:")
+        check(gemm, args.seeds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
