@@ -15,7 +15,8 @@ bfloat16, by what the CPU has:
 - a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows, or
   BF16_DOT_CODES_MAX_ROWS where the AVX512-BF16 kernel takes more rows (a few rows are bound by reading
   the weights; codes are a third of the bytes); with AVX512-BF16 in
-  oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order),
+  oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order; with
+  AMX tiles the order oneDNN's GEMM takes there, `onednn_tile_order`),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
 - AVX2 alone: torch's own GEMM is `F.linear`'s route, and every row count takes the kernel that sums in
   its order (pagedserve_kernels/cpu/bf16_dots_linear.cpp); a weight that is GGUF codes rounded to
@@ -49,6 +50,7 @@ AVX2).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -105,6 +107,33 @@ def bf16_dot_kernel(kernel) -> bool:
         return False
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return not (amx is not None and amx())
+
+
+@functools.cache
+def onednn_tile_order(kernel) -> bool:
+    """Whether oneDNN's bfloat16 GEMM sums a call of a few rows in the order of AMX tiles (per group of 32 inputs,
+    the even and the odd inputs' products in sums of their own, added, then to the running sum), checked once on a
+    CPU with AMX tiles: 8 random rows against 32,768 outputs, that order computed by torch in float32 (the
+    products of two bfloat16 values are exact; the other order gives other bits on about one output in 8,000). Where it holds, the codes' few-row kernel sums in it too
+    (`set_bf16_tile_order`), so a generated token's products are `F.linear`'s, as transformers computes them."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if kernel is None or not kernel.has_bf16_dot() or not has_packed_bf16_gemm() or amx is None or not amx():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 576, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(32768, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    with torch.no_grad():
+        xs, ws = x.float().t().contiguous(), w.float().t().contiguous()   # [K, 8], [K, N]: input i's column
+        total = torch.zeros(8, w.shape[0])
+        for g in range(0, w.shape[1], 32):
+            even, odd = torch.zeros_like(total), torch.zeros_like(total)
+            for i in range(g, g + 32, 2):
+                even = even + xs[i, :, None] * ws[i]
+                odd = odd + xs[i + 1, :, None] * ws[i + 1]
+            total = total + (even + odd)
+        same = torch.equal(F.linear(x, w), total.to(torch.bfloat16))
+    kernel.set_bf16_tile_order(same)
+    return same
 
 
 def bf16_dots_kernel(kernel) -> bool:
@@ -334,6 +363,8 @@ def route_linears(model: torch.nn.Module, skinny_max_rows: int = SKINNY_MAX_ROWS
         if routed.routed:
             module.forward = routed   # instance attribute: hooks still run
             taken.append(routed)
+    if any(r.weight.dtype == torch.bfloat16 and r.codes is not None and r.packed is not None for r in taken):
+        onednn_tile_order(kernel)   # (oneDNN's GEMM above the codes' rows: their sums in its order, where it has one)
     return route_counts(taken)
 
 

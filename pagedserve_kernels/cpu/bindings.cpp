@@ -11,6 +11,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
                   c10::optional<at::Tensor> alibi, int64_t chunk, c10::optional<at::Tensor> ends,
                   int64_t lanes, c10::optional<at::Tensor> qrows);
 void set_sdpa_tile_order(bool on);
+void set_bf16_tile_order(bool on);
 bool sdpa_tile_order();
 at::Tensor skinny_linear(at::Tensor x, at::Tensor w);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
@@ -66,6 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode's rows of calls of two or more query rows (qrows) add their two products in the order MKL "
         "takes with AMX tiles (on: chosen by ops/sdpa_order.py's start-up check) or in its AVX2 path's (off)");
   m.def("sdpa_tile_order", &sdpa_tile_order, "whether set_sdpa_tile_order is on");
+  m.def("set_bf16_tile_order", &set_bf16_tile_order,
+        "coded_linear's and coded_pairs_linear's bfloat16 rows sum in the order of oneDNN's GEMM with AMX tiles (on: "
+        "ops/linear.py's start-up check) or in its AVX512-BF16 order (off); needs has_bf16_dot");
   m.def("skinny_linear", &skinny_linear, "x [M, K] . w[N, K]^T for a few rows M (float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place, x optional), then RMSNorm(residual) * w (float32)");
   m.def("rotary", &rotary, "rotary embedding of q [T, H, D] and k [T, Hk, D] with cos/sin [T, D] (float32)");

@@ -32,6 +32,7 @@
 #include "aten.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -635,17 +636,52 @@ inline __m512bh pair_bf16(__m512 even, __m512 odd) {
   return (__m512bh)_mm512_permutexvar_epi16(order, both);
 }
 
-template <int M, int G, bool Paired>
+// Where oneDNN's GEMM takes AMX tiles (an Intel Xeon with AMX), it sums a call of up to 32 rows otherwise: per
+// group of 32 inputs from the first, the even inputs' and the odd inputs' products in two sequential sums, added
+// together and then to the running sum, whatever the rows (read against `F.linear` on SmolLM2's shapes; the
+// same order as MKL's with AMX tiles, pagedserve_kernels/cpu/paged_decode.cpp). Set once at start where a check
+// finds `F.linear` summing so (ops/linear.py, onednn_tile_order): the codes' few rows then sum in it too.
+std::atomic<bool> g_bf16_tiles{false};
+constexpr int64_t kTilePairs = 16;   // input pairs in a group of the tile order
+
+template <int M, int G, bool Paired, bool Tiles>
 void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, const bool* one_row, int64_t N) {
   const int64_t K = w.K, step = pagedserve::kOneRowChunk / 2;
   __m512 acc[M][G], done[M][G];   // the sum of the current chunk of input pairs, and of the chunks before it
+  __m512 odds[Tiles ? M : 1][G];  // the tile order: the group's odd inputs (`acc` its even ones)
   bool started[M] = {};           // whether `done` holds a chunk yet
   for (int r = 0; r < M; ++r)
-    for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = odds[Tiles ? r : 0][v] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   expand_pairs<G, Paired>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
     __m512bh pair[G];
     // paired codes come out in the dot product's order: rows 0-7 from even in the low half, 8-15 from odd
     for (int v = 0; v < G; ++v) pair[v] = Paired ? _mm512_cvtne2ps_pbh(odd[v], even[v]) : pair_bf16(even[v], odd[v]);
+    if constexpr (Tiles) {
+      // each lane's pair of bfloat16 weights as two float32 values, times x's pair broadcast
+      __m512 lo[G], hi[G];
+      for (int v = 0; v < G; ++v) {
+        lo[v] = _mm512_castsi512_ps(_mm512_slli_epi32((__m512i)pair[v], 16));
+        hi[v] = _mm512_castsi512_ps(_mm512_and_si512((__m512i)pair[v], high));
+      }
+      const bool last = j % kTilePairs == kTilePairs - 1 || j == K / 2 - 1;
+      for (int r = 0; r < M; ++r) {
+        int32_t two;
+        std::memcpy(&two, x + r * K + 2 * j, 4);
+        const __m512i both = _mm512_set1_epi32(two);
+        const __m512 xe = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+        for (int v = 0; v < G; ++v) {
+          acc[r][v] = _mm512_fmadd_ps(xe, lo[v], acc[r][v]);
+          odds[Tiles ? r : 0][v] = _mm512_fmadd_ps(xo, hi[v], odds[Tiles ? r : 0][v]);
+          if (last) {
+            done[r][v] = _mm512_add_ps(done[r][v], _mm512_add_ps(acc[r][v], odds[Tiles ? r : 0][v]));
+            acc[r][v] = odds[Tiles ? r : 0][v] = _mm512_setzero_ps();
+          }
+        }
+      }
+      return;
+    }
     if (j > 0 && j % step == 0)
       for (int r = 0; r < M; ++r) {
         if (!pagedserve::chunk_ends(j, K, one_row, r)) continue;
@@ -664,7 +700,8 @@ void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, const
   });
   for (int r = 0; r < M; ++r)
     for (int v = 0; v < G; ++v)
-      pagedserve::store16(y + r * N + (g + v) * kGroup, started[r] ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
+      pagedserve::store16(y + r * N + (g + v) * kGroup,
+                          Tiles ? done[r][v] : started[r] ? _mm512_add_ps(done[r][v], acc[r][v]) : acc[r][v]);
 }
 
 // y [M, N] = x . W^T for bfloat16 x of 1 .. kDirectRows rows through the dot product
@@ -676,7 +713,10 @@ void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y, const bool* 
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     with_rows<kDirectRows>(M, [&](auto m) {
       direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
-        direct_group_dot<m(), G(), Paired>(w, g, xp, yp, one_row, groups * kGroup);
+        if (g_bf16_tiles.load(std::memory_order_relaxed))
+          direct_group_dot<m(), G(), Paired, true>(w, g, xp, yp, one_row, groups * kGroup);
+        else
+          direct_group_dot<m(), G(), Paired, false>(w, g, xp, yp, one_row, groups * kGroup);
       });
     });
   });
@@ -753,6 +793,14 @@ at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
   TORCH_CHECK(false, "coded_pairs_linear: this build has no AVX512-BF16 dot product");
 #endif
   return y;
+}
+
+void set_bf16_tile_order(bool on) {
+#ifdef PAGEDSERVE_CODES_BF16_DOT
+  g_bf16_tiles.store(on);
+#else
+  TORCH_CHECK(!on, "set_bf16_tile_order: this build has no AVX512-BF16 dot product");
+#endif
 }
 
 // the float32 weights [N, K] the codes stand for (for checks; the kernel never builds them)

@@ -169,8 +169,28 @@ def test_bfloat16_rows_multiply_the_bfloat16_weights(kernel, kind, n):
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, narrow).float(), atol=1e-3, rtol=2 ** -7)
         if kernel.has_bf16_dot() and rows <= 4:
             # a few rows sum with the AVX512-BF16 dot product in the bfloat16 GEMM kernel's order: its bits,
-            # so a row's result does not depend on which of the two routes its step took
-            assert torch.equal(got, kernel.bf16_linear(x, kernel.bf16_pack(narrow)))
+            # so a row's result does not depend on which of the two routes its step took; where oneDNN's GEMM
+            # takes AMX tiles, in that GEMM's order (`F.linear`'s bits)
+            assert torch.equal(got, torch.nn.functional.linear(x, narrow) if linear.onednn_tile_order(kernel)
+                               else kernel.bf16_linear(x, kernel.bf16_pack(narrow)))
+
+
+def test_bfloat16_few_rows_sum_in_onednns_amx_order_where_it_has_one(kernel):
+    # where oneDNN's bfloat16 GEMM takes AMX tiles (the start-up check: linear.onednn_tile_order), the codes' few
+    # rows sum in its order: `F.linear`'s bits at 1-4 rows; in the AVX512-BF16 order some outputs are not
+    if not linear.onednn_tile_order(kernel):
+        pytest.skip("oneDNN's bfloat16 GEMM does not sum in AMX tiles' order on this CPU")
+    wide = _weight("q8_0", 16384, 576, seed=9)
+    codes, narrow = quantized.find_codes(wide).paired_order(), wide.to(torch.bfloat16)
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    try:
+        for tiles in (True, False):
+            kernel.set_bf16_tile_order(tiles)
+            equal = [torch.equal(codes.linear(kernel, x[:rows]), torch.nn.functional.linear(x[:rows], narrow))
+                     for rows in range(1, 5)]
+            assert all(equal) if tiles else not all(equal)
+    finally:
+        kernel.set_bf16_tile_order(True)
 
 
 def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypatch):
