@@ -133,13 +133,27 @@ def test_norms_are_the_blocks_norms_rounded_up():
 
 @pytest.fixture
 def bf16_pass(first_pass):
-    """The kernel module, where its first pass also takes a bfloat16 output layer (AVX512-BF16 in the build)."""
+    """The kernel module, where its first pass also takes a bfloat16 output layer (AVX512-BF16 in the build) and
+    the layer's route is the AVX512-BF16 kernel, whose sums the head recomputes (not oneDNN's AMX GEMM)."""
     if not first_pass.has_bf16_argmax():
         flags = cpu_flags()
         assert "avx512_bf16" not in flags or "avx512_vnni" not in flags, \
             "the CPU has AVX512-BF16 and AVX512-VNNI but the build cannot take a bfloat16 output layer"
         pytest.skip("no AVX512-BF16 beside the first pass on this CPU")
+    if not linear.bf16_dot_kernel(first_pass):
+        pytest.skip("AMX tiles: oneDNN's GEMM is the bfloat16 route, which gets no head (test below)")
     return first_pass
+
+
+def test_no_bfloat16_head_where_onednn_is_the_route(first_pass):
+    # where a bfloat16 output layer's route is oneDNN's GEMM (a CPU with AMX tiles), whose sums the head does not
+    # recompute, it gets none and every row takes the full logits; where it is the AVX512-BF16 kernel, it gets one
+    weight = q8_0_form(torch.randn(640, 576, generator=torch.Generator().manual_seed(7)) * 0.05)
+    module = torch.nn.Linear(576, 640, bias=False).to(torch.bfloat16)
+    module.weight.data = weight.to(torch.bfloat16)
+    module.forward = linear.RoutedLinear(module.weight.data, None, first_pass, True, codes=quantized.find_codes(weight))
+    head = greedy_head.build(module, first_pass)
+    assert (head is not None) == (first_pass.has_bf16_argmax() and linear.bf16_dot_kernel(first_pass))
 
 
 def _bf16_head(kernel, weight):
