@@ -45,6 +45,9 @@
 
 namespace {
 
+// MKL's tile order for the SDPA rows (below, AVX-512 builds), chosen once per process (set_sdpa_tile_order)
+std::atomic<bool> g_tile_order{false};
+
 #ifdef PAGEDSERVE_AVX2
 using pagedserve::hsum8;
 
@@ -726,7 +729,6 @@ constexpr int64_t kMklSeqRows = 4, kMklSeqKeys = 12;
 // keys, from zero, keys 2j + 1 and then 2j, each group's sum added to the running sum. Chosen once per process
 // by the start-up check (set_sdpa_tile_order), as MKL's own choice is per CPU.
 constexpr int64_t kTileGroup = 32;
-std::atomic<bool> g_tile_order{false};
 
 // dimensions d of q.k summed in `chains` chains over d mod chains, the chains then added pairwise as
 // MKL does (chains 4: (0 + 2) + (1 + 3); 8: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))); 1: sequential
