@@ -114,8 +114,9 @@ def onednn_tile_order(kernel) -> bool:
     """Whether oneDNN's bfloat16 GEMM sums a call of a few rows in the order of AMX tiles (per group of 32 inputs,
     the even and the odd inputs' products in sums of their own, added, then to the running sum), checked once on a
     CPU with AMX tiles: 8 random rows against 32,768 outputs, that order computed by torch in float32 (the
-    products of two bfloat16 values are exact; the other order gives other bits on about one output in 8,000). Where it holds, the codes' few-row kernel sums in it too
-    (`set_bf16_tile_order`), so a generated token's products are `F.linear`'s, as transformers computes them."""
+    products of two bfloat16 values are exact; the other order gives other bits on about one output in 8,000).
+    Where it holds, the codes' few-row kernel sums in it too (`set_bf16_tile_order`), so a generated token's
+    products are `F.linear`'s, as transformers computes them alone."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if kernel is None or not kernel.has_bf16_dot() or not has_packed_bf16_gemm() or amx is None or not amx():
         return False
