@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import sys
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ops.linear import tile_order_product  # noqa: E402
 
 COL, NO, TRANS = 102, 111, 112   # CBLAS's column-major layout and transposes
 D = 64                            # SmolLM2's head dimension
@@ -46,23 +50,6 @@ def weighted(gemm, values: torch.Tensor, weights: torch.Tensor) -> np.ndarray:
     out = torch.zeros(n * D)
     gemm(COL, NO, NO, D, n, k, 1.0, values.data_ptr(), D, weights.data_ptr(), k, 0.0, out.data_ptr(), D)
     return out.view(n, D).numpy()
-
-
-def _chain(terms: np.ndarray, indices) -> np.ndarray:
-    acc = np.zeros(terms.shape[:-1], np.float32)
-    for i in indices:
-        acc = (acc + terms[..., i]).astype(np.float32)
-    return acc
-
-
-def tile_order(terms: np.ndarray) -> np.ndarray:
-    """Two or more query rows with AMX tiles: per group of 32 terms, the even and the odd ones in sums of their
-    own, added together and then to the running sum."""
-    k, total = terms.shape[-1], np.zeros(terms.shape[:-1], np.float32)
-    for g in range(0, k, 32):
-        end = min(k, g + 32)
-        total = (total + (_chain(terms, range(g, end, 2)) + _chain(terms, range(g + 1, end, 2)))).astype(np.float32)
-    return total
 
 
 def _pairs_odd_first(terms: np.ndarray, indices) -> np.ndarray:
@@ -101,11 +88,14 @@ def check(gemm, seeds: int) -> None:
         for _ in range(seeds):
             keys, queries = (torch.randn(r, D, generator=gen).to(torch.bfloat16) for r in (m, n))
             weights = torch.rand(n, m, generator=gen).to(torch.bfloat16)
-            s_terms = (queries.float()[:, None, :] * keys.float()[None]).numpy()
-            v_terms = (weights.float()[:, None, :] * keys.float().T[None]).numpy()
-            s_order, v_order = (decode_scores_order, decode_values_order) if n == 1 else (tile_order, tile_order)
-            differ[0] += int((s_order(s_terms) != scores(gemm, keys, queries)).sum())
-            differ[1] += int((v_order(v_terms) != weighted(gemm, keys, weights)).sum())
+            if n == 1:   # a decode row: the orders below
+                s_order = decode_scores_order((queries.float()[:, None, :] * keys.float()[None]).numpy())
+                v_order = decode_values_order((weights.float()[:, None, :] * keys.float().T[None]).numpy())
+            else:        # two or more query rows: the tile order, as ops/linear.py computes it
+                s_order = tile_order_product(queries, keys.t()).numpy()
+                v_order = tile_order_product(weights, keys).numpy()
+            differ[0] += int((s_order != scores(gemm, keys, queries)).sum())
+            differ[1] += int((v_order != weighted(gemm, keys, weights)).sum())
             total += n * m
         print(f"{n:3d} query rows, {m:3d} keys: q.k {differ[0]} of {total} differ, weighted values {differ[1]} of "
               f"{n * D * seeds} differ")

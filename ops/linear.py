@@ -124,17 +124,24 @@ def onednn_tile_order(kernel) -> bool:
     x = torch.randn(8, 576, generator=gen).to(torch.bfloat16)
     w = (torch.randn(32768, 576, generator=gen) * 0.05).to(torch.bfloat16)
     with torch.no_grad():
-        xs, ws = x.float().t().contiguous(), w.float().t().contiguous()   # [K, 8], [K, N]: input i's column
-        total = torch.zeros(8, w.shape[0])
-        for g in range(0, w.shape[1], 32):
-            even, odd = torch.zeros_like(total), torch.zeros_like(total)
-            for i in range(g, g + 32, 2):
-                even = even + xs[i, :, None] * ws[i]
-                odd = odd + xs[i + 1, :, None] * ws[i + 1]
-            total = total + (even + odd)
-        same = torch.equal(F.linear(x, w), total.to(torch.bfloat16))
+        same = torch.equal(F.linear(x, w), tile_order_product(x, w.t()).to(torch.bfloat16))
     kernel.set_bf16_tile_order(same)
     return same
+
+
+def tile_order_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [R, K] . b [K, N] of bfloat16 values in float32, added as AMX tiles add it (oneDNN's and MKL's bfloat16
+    GEMMs with them): per group of 32 inputs from the first, the even and the odd inputs' products in sums of
+    their own, added together, then to the running sum. Each product of two bfloat16 values is exact in float32,
+    so each step rounds as the hardware's does."""
+    a, b = a.float().t().contiguous(), b.float().contiguous()   # input i's column of a, and its row of b
+    total = torch.zeros(a.shape[1], b.shape[1])
+    for g in range(0, a.shape[0], 32):
+        sums = [torch.zeros_like(total), torch.zeros_like(total)]
+        for i in range(g, min(g + 32, a.shape[0])):
+            sums[i % 2] = sums[i % 2] + a[i, :, None] * b[i]
+        total = total + (sums[0] + sums[1])
+    return total
 
 
 def bf16_dots_kernel(kernel) -> bool:

@@ -648,10 +648,10 @@ template <int M, int G, bool Paired, bool Tiles>
 void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, const bool* one_row, int64_t N) {
   const int64_t K = w.K, step = pagedserve::kOneRowChunk / 2;
   __m512 acc[M][G], done[M][G];   // the sum of the current chunk of input pairs, and of the chunks before it
-  __m512 odds[Tiles ? M : 1][G];  // the tile order: the group's odd inputs (`acc` its even ones)
+  __m512 odds[M][G];              // the tile order: the group's odd inputs (`acc` its even ones)
   bool started[M] = {};           // whether `done` holds a chunk yet
   for (int r = 0; r < M; ++r)
-    for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = odds[Tiles ? r : 0][v] = _mm512_setzero_ps();
+    for (int v = 0; v < G; ++v) acc[r][v] = done[r][v] = odds[r][v] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   expand_pairs<G, Paired>(w, g, [&](int64_t j, __m512* even, __m512* odd) {
     __m512bh pair[G];
@@ -673,10 +673,10 @@ void direct_group_dot(const Weights& w, int64_t g, const bf16* x, bf16* y, const
         const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(both, high));
         for (int v = 0; v < G; ++v) {
           acc[r][v] = _mm512_fmadd_ps(xe, lo[v], acc[r][v]);
-          odds[Tiles ? r : 0][v] = _mm512_fmadd_ps(xo, hi[v], odds[Tiles ? r : 0][v]);
+          odds[r][v] = _mm512_fmadd_ps(xo, hi[v], odds[r][v]);
           if (last) {
-            done[r][v] = _mm512_add_ps(done[r][v], _mm512_add_ps(acc[r][v], odds[Tiles ? r : 0][v]));
-            acc[r][v] = odds[Tiles ? r : 0][v] = _mm512_setzero_ps();
+            done[r][v] = _mm512_add_ps(done[r][v], _mm512_add_ps(acc[r][v], odds[r][v]));
+            acc[r][v] = odds[r][v] = _mm512_setzero_ps();
           }
         }
       }

@@ -729,6 +729,7 @@ constexpr int64_t kMklSeqRows = 4, kMklSeqKeys = 12;
 // keys, from zero, keys 2j + 1 and then 2j, each group's sum added to the running sum. Chosen once per process
 // by the start-up check (set_sdpa_tile_order), as MKL's own choice is per CPU.
 constexpr int64_t kTileGroup = 32;
+static_assert(kSdpaBlock % kTileGroup == 0, "a block of torch's keys holds whole groups");
 
 // dimensions d of q.k summed in `chains` chains over d mod chains, the chains then added pairwise as
 // MKL does (chains 4: (0 + 2) + (1 + 3); 8: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))); 1: sequential
@@ -1006,7 +1007,7 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   const bool mkl = sdpa && qrows > 0;
   const T* group[4];   // MKL's order for a decode row: keys four at a time, as the walk (and its prefetch) goes
   // a decode row in the tile order: its scores, and below its weighted values in groups of 8 keys
-  const bool tile_row = mkl && qrows == 1 && NV % 2 == 0 && g_tile_order.load(std::memory_order_relaxed) &&
+  const bool tile_row = mkl && qrows == 1 && g_tile_order.load(std::memory_order_relaxed) &&
                         pair_lane_scores<NV, C, T>(sh, qv, kc, table, h, len, scores);
   if (tile_row) {
     // (scored above)
@@ -1043,14 +1044,16 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   // acc[c] += w * v for one key, in order; with MKL's order for a decode row (one query row), per block of
   // kSdpaBlock keys groups of four, then the block's last keys one by one from its last (only the last
   // block has any)
-  const auto add_one = [&](int64_t p, const T* val) {
+  // sum[c] += w * v for key p (acc, or a group's sum in the tile order)
+  const auto add_to = [&](__m512 (&sum)[C][NV], int64_t p, const T* val) {
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = pagedserve::load16(val + 16 * v);
     for (int c = 0; c < C; ++c) {
       const __m512 w = _mm512_set1_ps(scores[c * len + p]);
-      for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_fmadd_ps(w, vv[v], acc[c][v]);
+      for (int v = 0; v < NV; ++v) sum[c][v] = _mm512_fmadd_ps(w, vv[v], sum[c][v]);
     }
   };
+  const auto add_one = [&](int64_t p, const T* val) { add_to(acc, p, val); };
   const bool fours = mkl && qrows == 1 && !tile_row;
   const int64_t tail_from = fours ? len - (len % kSdpaBlock) % 4 : len;
   const T* tail[4];
@@ -1068,35 +1071,25 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
       if (p % 8 == 0)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) group_sum[0][c][v] = _mm512_setzero_ps();
-      const auto add = [&](int64_t key, const T* key_val) {
-        for (int v = 0; v < NV; ++v) {
-          const __m512 vv = pagedserve::load16(key_val + 16 * v);
-          for (int c = 0; c < C; ++c)
-            group_sum[0][c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + key]), vv, group_sum[0][c][v]);
-        }
-      };
       if (p % 2 == 1) {
-        add(p, val);
-        add(p - 1, tail[0]);
+        add_to(group_sum[0], p, val);
+        add_to(group_sum[0], p - 1, tail[0]);
       } else if (p + 1 == len) {
-        add(p, val);
+        add_to(group_sum[0], p, val);
       } else {
         tail[0] = val;
       }
-      if ((p % 2 == 1 && p % 8 == 7) || p + 1 == len)
+      if (p % 8 == 7 || p + 1 == len)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_add_ps(acc[c][v], group_sum[0][c][v]);
     } else if (tiles) {
       if (p % kTileGroup == 0)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) group_sum[0][c][v] = group_sum[1][c][v] = _mm512_setzero_ps();
-      for (int v = 0; v < NV; ++v) {
-        const __m512 vv = pagedserve::load16(val + 16 * v);
-        for (int c = 0; c < C; ++c)
-          group_sum[p % 2][c][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[c * len + p]), vv, group_sum[p % 2][c][v]);
-      }
-      // the group ends at its 32nd key, the call's block's last, or the row's last (later keys add zeros)
-      if (p % kTileGroup == kTileGroup - 1 || p + 1 == len || (p + 1) % kSdpaBlock == 0)
+      add_to(group_sum[p % 2], p, val);
+      // the group ends at its 32nd key (a block of kSdpaBlock holds whole groups) or the row's last (later keys
+      // add zeros)
+      if (p % kTileGroup == kTileGroup - 1 || p + 1 == len)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v)
             acc[c][v] = _mm512_add_ps(acc[c][v], _mm512_add_ps(group_sum[0][c][v], group_sum[1][c][v]));
