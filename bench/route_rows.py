@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         routes["AVX512-BF16"] = lambda i, x: kernel.bf16_linear(x, dot[i])
     if onednn is not None:
         routes["oneDNN"] = lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
-    print(f"the runner's route for many rows: {'AVX512-BF16' if layers[0].dot is not None else 'oneDNN'}")
+    many = 'AVX512-BF16' if layers[0].dot is not None else 'AMX tiles' if layers[0].tiles is not None else 'oneDNN'
+    print(f"the runner's route for many rows: {many}")
     return _table(routes, layers, args.rows, dtype)
 
 

@@ -27,6 +27,7 @@ from ops.attention import Backend, KernelRows, paged_attention, write_kv
 
 if TYPE_CHECKING:
     from data_plane.state_pool import StateStep
+    from ops.linear import OwnCalls
 
 ATTENTION_NAME = "pagedserve"
 
@@ -54,6 +55,10 @@ class StepContext:
     # bool [tokens]: the tokens that transformers computes in a call of one row (generated tokens, prompts of
     # one token), whose bfloat16 products sum in other chunks (ops/linear.RoutedLinear.route); None: none
     one_row: torch.Tensor | None = None
+    # the rows that transformers computes in a bfloat16 call of more rows, the prompts longer than
+    # ops/linear.TILE_CALL_ROWS (a prompt's chunk at its place in the whole prompt's call), as ops/linear.OwnCalls;
+    # AMX tile products give them oneDNN's order for that call (ops/linear.RoutedLinear.route). None: none
+    own_calls: OwnCalls | None = None
     # int64 [rows]: the tokens whose last hidden state the step reads (sampled rows), in order; the forward
     # returns only theirs, and may skip the rest's last layer past its attention. None: every token's
     keep_rows: torch.Tensor | None = None

@@ -83,7 +83,8 @@ class _Layer:
             # a dict holds the codes found per module before the model was narrowed to bfloat16
             given = quantized.Codes.cat([codes.get(m) for m in modules]) if isinstance(codes, dict) else codes
             weight = _stack(modules) if len(modules) > 1 else modules[0].weight
-            return linear_ops.RoutedLinear(weight, None, kernel, packed, codes=given)
+            return linear_ops.RoutedLinear(weight, None, kernel, packed, codes=given,
+                                           parts=tuple(m.weight.shape[0] for m in modules))
         self.qkv = route([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o = route([attn.o_proj])
         self.gate_up = route([mlp.gate_proj, mlp.up_proj])
@@ -223,7 +224,7 @@ class LlamaForward:
         cos, sin = self.rotary.cos_sin(residual, positions)
         tokens = residual.shape[0]
         caches = self._caches(ctx.kv_pool)
-        rows, one_row = ctx.kernel_rows, ctx.one_row
+        rows, one_row, own = ctx.kernel_rows, ctx.one_row, ctx.own_calls
         # the attention in two calls (rotary_store, paged_decode) when the kernel takes every query row
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm
@@ -237,7 +238,7 @@ class LlamaForward:
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]
             k_cache, v_cache = caches[index]
-            qkv = qkv_of(x, one_row)
+            qkv = qkv_of(x, one_row, own)
             if fused:
                 q = kernel.rotary_store(qkv, layer.num_heads, layer.num_kv_heads, cos, sin, k_cache, v_cache,
                                         ctx.slot_mapping)
@@ -257,8 +258,8 @@ class LlamaForward:
                 one_row = one_row.index_select(0, keep) if one_row is not None else None
                 _, o_of, gate_up_of, down_of = self._routes(keep.shape[0])[index]
                 keep = None   # (the rows are the kept ones from here)
-            x = ops.add_rms_norm(residual, o_of(out, one_row), *self.post_norms[index])
-            x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x, one_row)), one_row),
+            x = ops.add_rms_norm(residual, o_of(out, one_row, own), *self.post_norms[index])
+            x = ops.add_rms_norm(residual, down_of(ops.silu_mul(gate_up_of(x, one_row, own)), one_row, own),
                                  *self.norms[index + 1])
         return x if keep is None else x.index_select(0, keep)
 

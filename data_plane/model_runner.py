@@ -338,7 +338,7 @@ class ModelRunner:
 
     def _prepare(self, scheduled):
         input_ids, positions, seq_lens, starts, rows, sample_rows, prompt_lens = [], [], [], [0], [], [], []
-        state_seqs = []
+        state_seqs, own_calls = [], []
         max_blocks = 1
         bs, groups, windowed = self.block_size, self.layout.num_groups, self.layout.windowed
         slots = [[] for _ in range(groups)]   # per group, where each new token's K/V goes
@@ -356,6 +356,10 @@ class ModelRunner:
                 # freed entries lie before the block of `begin`, so no slot below reads one; the
                 # attention reads the runner's BlockTables, which hold 0 there
                 self._check_freed(seq_id, table, begin)
+            if begin < st.num_prompt_tokens and st.num_prompt_tokens > linear_ops.TILE_CALL_ROWS:
+                # (a chunk of the prompt: its rows at their places in a call of the whole prompt's rows)
+                own_calls.append((starts[-1], starts[-1] + min(end, st.num_prompt_tokens) - begin,
+                                  st.num_prompt_tokens, begin))
             input_ids.extend(st.token_ids[begin:end])
             positions.extend(range(begin, end))
             for g, group_slots in enumerate(slots):
@@ -389,6 +393,8 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])), backend=self.backend,
             kernel_rows=views[0].kernel_rows,
             one_row=one_row,
+            own_calls=linear_ops.OwnCalls(own_calls, len(input_ids)) if self.dtype == torch.bfloat16 and own_calls
+            else None,
             state=StateStep.build(self.states, state_seqs, dev) if self.states is not None else None,
             kv_slabs=self.kv_slabs, kv_groups=self.layout.groups, groups=views if groups > 1 else None)
         return ctx, ids, pos, sample_rows

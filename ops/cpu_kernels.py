@@ -17,7 +17,7 @@ import time
 log = logging.getLogger("pagedserve.ops")
 
 _FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pagedserve_kernels", "cpu")
-SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp", "coded_linear.cpp", "bf16_linear.cpp",
+SOURCES = [os.path.join(_FOLDER, name) for name in ("bindings.cpp", "paged_decode.cpp", "skinny_linear.cpp", "fused_ops.cpp", "coded_linear.cpp", "bf16_linear.cpp", "amx_linear.cpp",
                                                            "bf16_dots_linear.cpp", "greedy_head.cpp", "coded_layers.cpp", "sampler.cpp")]
 
 

@@ -8,6 +8,11 @@ bfloat16, by what the CPU has:
   float32 sums in oneDNN's order (pagedserve_kernels/cpu/simd.h, onednn_bf16_chunk): `F.linear`'s bits at every
   row count and thread count (tests/kernels/test_bf16_onednn_order.py), so a row's result does not
   depend on the other rows of the call.
+- AMX tiles, where oneDNN's calls of up to TILE_CALL_ROWS rows sum in the tiles' order (`onednn_tile_order`):
+  the kernel of pagedserve_kernels/cpu/amx_linear.cpp on the AVX512-BF16 kernel's layout, every row summed over
+  all of K in one accumulator, so that a row has the bits of a call of it alone (a generated token's, as
+  transformers computes it) at every row count; a whole prompt of more rows takes `F.linear`'s call of its own
+  rows (`own` in RoutedLinear.route), as transformers' prompt does.
 - otherwise oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
   weight reordered once at start into oneDNN's blocked layout: bit for bit `F.linear` on the same
   bfloat16 tensors (which reorders the weight at every call), at every row count and whatever the
@@ -77,6 +82,11 @@ CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")
 # the bfloat16 kernels of more rows than the codes serve (RoutedLinear.wide_route names them), numbered from 1 as
 # CodedLayers takes them
 WIDE_KERNELS = ("bf16_linear", "bf16_dots_linear")
+# oneDNN's bfloat16 GEMM on AMX tiles sums a call of up to this many rows over all of K in one tile accumulator
+# (the tiles' order: `tile_order_product`), but a call of more in blocks of K chosen by the call's shape, whose
+# sums it adds afterwards: a row's bits then depend on its call's row count and outputs (measured on SmolLM2's
+# products: from 33 rows on, rows differ from the same rows' one-row calls, more with more rows)
+TILE_CALL_ROWS = 32
 PACK_ROWS_HINT = 64   # the row count the weight is packed for; see the module's docstring
 # oneDNN generates its GEMM's code the first time it meets a row count (its cache then keeps it): a few
 # milliseconds a weight shape, which a decode step pays once for each new batch size. warm_up has that done
@@ -111,18 +121,19 @@ def bf16_dot_kernel(kernel) -> bool:
 
 @functools.cache
 def onednn_tile_order(kernel) -> bool:
-    """Whether oneDNN's bfloat16 GEMM sums a call of a few rows in the order of AMX tiles (per group of 32 inputs,
-    the even and the odd inputs' products in sums of their own, added, then to the running sum), checked once on a
-    CPU with AMX tiles: 8 random rows against 32,768 outputs, that order computed by torch in float32 (the
-    products of two bfloat16 values are exact; the other order gives other bits on about one output in 8,000).
-    Where it holds, the codes' few-row kernel sums in it too (`set_bf16_tile_order`), so a generated token's
-    products are `F.linear`'s, as transformers computes them alone."""
+    """Whether oneDNN's bfloat16 GEMM sums a call of up to TILE_CALL_ROWS rows in the order of AMX tiles (per group
+    of 32 inputs, the even and the odd inputs' products in sums of their own, added, then to the running sum),
+    checked once on a CPU with AMX tiles: that many random rows against 8,192 outputs, that order computed by torch
+    in float32 (the products of two bfloat16 values are exact; the other order gives other bits on about one output
+    in 8,000). Where it holds, the codes' few-row kernel sums in it too (`set_bf16_tile_order`) and the kernel's own
+    tile product (`amx_linear`) takes the rows above the codes', so a generated token's products are `F.linear`'s, as
+    transformers computes them alone, whatever the batch."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if kernel is None or not kernel.has_bf16_dot() or not has_packed_bf16_gemm() or amx is None or not amx():
         return False
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 576, generator=gen).to(torch.bfloat16)
-    w = (torch.randn(32768, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(TILE_CALL_ROWS, 576, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(8192, 576, generator=gen) * 0.05).to(torch.bfloat16)
     with torch.no_grad():
         same = torch.equal(F.linear(x, w), tile_order_product(x, w.t()).to(torch.bfloat16))
     kernel.set_bf16_tile_order(same)
@@ -142,6 +153,91 @@ def tile_order_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             sums[i % 2] = sums[i % 2] + a[i, :, None] * b[i]
         total = total + (sums[0] + sums[1])
     return total
+
+
+_chunks: dict[tuple, int | None] = {}
+_probes: dict[tuple, tuple] = {}
+
+
+def _probe_data(kernel, rows: int, outputs: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """onednn_chunk's random rows [rows, inputs], weight [outputs, inputs] and the weight's tiles layout, the second
+    half of each row's products nearly cancelling the first: made once per weight shape (the rows as many as asked
+    yet, grown by doubling) and kept."""
+    half = inputs // 2
+    x_half, w, tiles = _probes.get((outputs, inputs), (None, None, None))
+    if w is None:
+        gen = torch.Generator().manual_seed(outputs * 100003 + inputs)
+        w = torch.randn(outputs, half, generator=gen)
+        w = torch.cat([w, torch.randn(outputs, half, generator=gen) * 2 ** -7 - w], 1).to(torch.bfloat16)
+        tiles = kernel.bf16_pack(w)
+    if x_half is None or x_half.shape[0] < rows:
+        gen = torch.Generator().manual_seed(rows)
+        x_half = torch.randn(max(rows, 2 * (0 if x_half is None else x_half.shape[0]), 64), half, generator=gen)
+    _probes[(outputs, inputs)] = (x_half, w, tiles)
+    x = x_half[:rows].to(torch.bfloat16)
+    return torch.cat([x, x], 1), w, tiles
+
+
+class OwnCalls:
+    """The rows of a step that transformers computes in bfloat16 calls of more than TILE_CALL_ROWS rows (prompts), as
+    `ranges` (start, end, rows, at) in order: the step's rows start..end - 1 are rows at.. of a call of `rows` rows;
+    `total` the step's rows. The AMX tile route gives them the order of oneDNN's call of that many rows."""
+
+    def __init__(self, ranges: list[tuple[int, int, int, int]], total: int):
+        self.ranges, self.total = ranges, total
+        self._plans: dict[tuple[int, int], tuple] = {}
+
+    def plan(self, kernel, outputs: int, inputs: int) -> tuple[torch.Tensor | None, list[tuple[int, int, int, int]]]:
+        """For a weight [outputs, inputs]: each row's chunk for `amx_linear_out` (int32 [total]; 0 for the tiles'
+        own order; None where every row's is), and the ranges whose call's order is none of those, which take
+        `F.linear` itself. Made once a step for each shape."""
+        plan = self._plans.get((outputs, inputs))
+        if plan is None:
+            chunks, left = torch.zeros(self.total, dtype=torch.int32), []
+            for start, end, rows, at in self.ranges:
+                chunk = onednn_chunk(kernel, rows, outputs, inputs)
+                if chunk is None:
+                    left.append((start, end, rows, at))
+                elif chunk != inputs:   # (a chunk of every input is the tiles' own order)
+                    chunks[start:end] = chunk
+            plan = self._plans[(outputs, inputs)] = (chunks if bool(chunks.any()) else None, left)
+        return plan
+
+
+def onednn_chunk(kernel, rows: int, outputs: int, inputs: int) -> int | None:
+    """The order of oneDNN's bfloat16 GEMM (`F.linear`) in a call of `rows` rows of a weight [outputs, inputs] on
+    AMX tiles, as the chunk of inputs whose sums it adds: each chunk summed from zero in the tiles' order, the
+    chunks' sums then added in order (`amx_linear`'s `chunk`; all the inputs where the call sums them in one
+    accumulator). None where no chunk gives its bits (another order: such calls take `F.linear` itself).
+
+    Found on the first call of each shape (and thread count) by trying every chunk of a multiple of 32 inputs that
+    divides them against `F.linear` on random rows whose second half of inputs nearly cancels the first: the partial
+    sums are then far larger than the result, and two orders of the sums give other bits on about one output in a
+    hundred (one in ten thousand on plain random rows), so that a chunk that matches every output is the call's."""
+    key = (rows, outputs, inputs, torch.get_num_threads())
+    if key in _chunks:
+        return _chunks[key]
+    x, w, tiles = _probe_data(kernel, rows, outputs, inputs)
+    with torch.no_grad():
+        theirs = F.linear(x, w)
+    # the chunks found for other row counts of this weight shape first: a call's order changes with its rows
+    # only now and then
+    tried = [c for (_, o, i, _), c in _chunks.items() if (o, i) == (outputs, inputs) and c is not None]
+    found = None
+    for chunk in dict.fromkeys(tried + [c for c in range(inputs, 31, -32) if inputs % c == 0]):
+        if torch.equal(kernel.amx_linear(x, tiles, chunk), theirs):
+            found = chunk
+            break
+    _chunks[key] = found
+    return found
+
+
+def amx_tiles(kernel) -> bool:
+    """Whether bfloat16 products above the codes' rows take the kernel's own AMX tile product (`amx_linear`): the
+    build and the process have the tiles, and oneDNN sums its calls of a few rows in their order (`onednn_tile_order`),
+    which that kernel keeps at every row count."""
+    return kernel is not None and hasattr(kernel, "has_amx_linear") and kernel.has_amx_linear() \
+        and onednn_tile_order(kernel)
 
 
 def bf16_dots_kernel(kernel) -> bool:
@@ -165,10 +261,12 @@ class RoutedLinear:
     the loaded CPU kernel module (or None), `packed` whether to pack W for its GEMM library, `codes`
     whether to read a float32 W as codes where its values allow it (exactly: see ops/quantized.py);
     for a bfloat16 W, the codes of the float32 weight it was rounded from (kept only if they give W
-    back bit for bit), or None."""
+    back bit for bit), or None. `parts`: where W stacks several layers' weights (a layer's q, k and v), their
+    output counts in order; a whole prompt's rows take each part as its own product (`own` in route)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel, packed: bool,
-                 skinny_max_rows: int = SKINNY_MAX_ROWS, codes: bool | quantized.Codes | None = True):
+                 skinny_max_rows: int = SKINNY_MAX_ROWS, codes: bool | quantized.Codes | None = True,
+                 parts: tuple[int, ...] | None = None):
         self.weight, self.bias = weight, bias
         self.kernel = kernel if bias is None else None   # the kernels add no bias
         wide = weight.dtype == torch.float32
@@ -198,9 +296,21 @@ class RoutedLinear:
         many_rows = packed and (self.codes is None or not wide) and self.panel is None
         self.dot = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.kernel is not None \
             and bf16_dot_kernel(self.kernel) and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0 else None
-        self.packed = _pack(weight) if many_rows and self.dot is None and not self.dots else None
+        # with AMX tiles, the kernel's own tile product in place of oneDNN's packed copy (the same layout as `dot`)
+        out = weight.shape[0]
+        bounds = [0]
+        for count in parts or (out,):
+            bounds.append(bounds[-1] + count)
+        if bounds[-1] != out:
+            raise ValueError(f"RoutedLinear: parts {parts} do not add up to the weight's {out} outputs")
+        self.parts = list(zip(bounds, bounds[1:]))
+        self.tiles = kernel.bf16_pack(weight.detach()) if many_rows and not wide and self.dot is None \
+            and not self.dots and self.kernel is not None and all(b % 16 == 0 for b in bounds) \
+            and weight.shape[1] % 32 == 0 and amx_tiles(self.kernel) else None
+        self.packed = _pack(weight) if many_rows and self.dot is None and self.tiles is None and not self.dots else None
         # bfloat16 codes that only serve a few rows, where the build has the dot product: in its pair order
-        if self.codes is not None and not wide and (self.dot is not None or self.packed is not None) \
+        if self.codes is not None and not wide and (self.dot is not None or self.packed is not None
+                                                    or self.tiles is not None) \
                 and self.kernel.has_bf16_dot():
             self.codes = self.codes.paired_order()
         self.skinny_max_rows = skinny_max_rows
@@ -225,14 +335,15 @@ class RoutedLinear:
         kernel's layout, or oneDNN's packed GEMM); every count where it has neither."""
         if self.dot is not None:
             return BF16_DOT_CODES_MAX_ROWS
-        return BF16_CODES_MAX_ROWS if self.packed is not None else sys.maxsize
+        return BF16_CODES_MAX_ROWS if self.packed is not None or self.tiles is not None else sys.maxsize
 
     @property
     def routed(self) -> bool:
         few_rows = self.kernel is not None and self.weight.dtype == torch.float32   # the few-row kernel
-        return self.codes is not None or self.packed is not None or self.dot is not None or self.dots or few_rows
+        return self.codes is not None or self.packed is not None or self.dot is not None or self.dots or few_rows \
+            or self.tiles is not None
 
-    def __call__(self, x: torch.Tensor, one_row: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, one_row: torch.Tensor | None = None, own=None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
@@ -240,44 +351,78 @@ class RoutedLinear:
         route = self._by_rows.get(key)
         if route is None:
             route = self._by_rows[key] = self.route(key)
-        out = route(x.reshape(rows, x.shape[-1]).contiguous(), one_row)
+        out = route(x.reshape(rows, x.shape[-1]).contiguous(), one_row, own)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def route(self, rows: int):
-        """The function f(x, one_row=None) that computes y [rows, N] from a contiguous x [rows, K] of the
+        """The function f(x, one_row=None, own=None) that computes y [rows, N] from a contiguous x [rows, K] of the
         weight's type (gradients off) for this row count: the same route as a call, chosen once so that a
         forward calling every layer with the same rows skips the choice (llama_forward.py). `one_row`
         (bool [rows]): the rows that transformers computes in a call of one row, a generated token's;
         oneDNN's bfloat16 GEMM sums those in other chunks (pagedserve_kernels/cpu/simd.h), which the
-        AVX512-BF16 kernels follow. The other routes take every row as they take a call's."""
+        AVX512-BF16 kernels follow. `own` (OwnCalls): the rows that transformers computes in a call of more than
+        TILE_CALL_ROWS rows (a prompt); the AMX tile route gives them the bits of `F.linear`'s call of that many
+        rows, part by part (`parts`), and the other rows its tiles' sums. The other routes take every row as they
+        take a call's."""
         weight, bias, kernel = self.weight, self.bias, self.kernel
         reads_codes = self.codes_route(rows)
         if reads_codes is not None:
             name, tensors = reads_codes
             product = getattr(kernel, name)
             if name == "bf16_dots_codes_linear":   # (torch's order has no one-row chunks)
-                return lambda x, one_row=None: product(x, *tensors)
-            return lambda x, one_row=None: product(x, *tensors, one_row)
+                return lambda x, one_row=None, own=None: product(x, *tensors)
+            return lambda x, one_row=None, own=None: product(x, *tensors, one_row)
         if weight.dtype == torch.bfloat16:
             wide = self.wide_route()
             if wide is not None:
                 name, tensor = wide
                 if name == "bf16_dots_linear":   # (torch's order has no one-row chunks)
-                    return lambda x, one_row=None: kernel.bf16_dots_linear(x, tensor)
-                return lambda x, one_row=None: kernel.bf16_linear(x, tensor, one_row)
+                    return lambda x, one_row=None, own=None: kernel.bf16_dots_linear(x, tensor)
+                return lambda x, one_row=None, own=None: kernel.bf16_linear(x, tensor, one_row)
+            if self.tiles is not None:
+                return self._tiles_product
             if self.packed is not None:
                 packed = self.packed
-                return lambda x, one_row=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            return lambda x, one_row=None: F.linear(x, weight, bias)
+                return lambda x, one_row=None, own=None: \
+                    torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return lambda x, one_row=None, own=None: F.linear(x, weight, bias)
         if self.panel is not None:
             panel, n = self.panel, weight.shape[0]
-            return lambda x, one_row=None: kernel.panel_linear(x, panel, n)
+            return lambda x, one_row=None, own=None: kernel.panel_linear(x, panel, n)
         if kernel is not None and rows <= self.skinny_max_rows:
-            return lambda x, one_row=None: kernel.skinny_linear(x, weight)
+            return lambda x, one_row=None, own=None: kernel.skinny_linear(x, weight)
         if self.packed is not None:
             packed = self.packed
-            return lambda x, one_row=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
-        return lambda x, one_row=None: F.linear(x, weight, bias)
+            return lambda x, one_row=None, own=None: _packed_gemm(x, packed, weight, bias, x.shape[0])
+        return lambda x, one_row=None, own=None: F.linear(x, weight, bias)
+
+    def _tiles_product(self, x: torch.Tensor, one_row=None, own: OwnCalls | None = None) -> torch.Tensor:
+        """The AMX tile route (route's docstring): every row in the tiles' order but the `own` ones, each part of
+        those in the order of oneDNN's call of as many rows as transformers' (`onednn_chunk`), by the tiles where
+        that order is chunks of the inputs, else from `F.linear`'s call itself; written into one output."""
+        kernel, tiles, weight = self.kernel, self.tiles, self.weight
+        if own is None:
+            return kernel.amx_linear(x, tiles)
+        plans = [own.plan(kernel, hi - lo, x.shape[1]) for lo, hi in self.parts]
+        if all(chunks is None and not left for chunks, left in plans):
+            return kernel.amx_linear(x, tiles)
+        y = x.new_empty((x.shape[0], weight.shape[0]))
+        # parts of one shape have one plan (a layer's gate and up, its k and v): one call for neighbours
+        spans = []
+        for (lo, hi), plan in zip(self.parts, plans):
+            if spans and spans[-1][2] is plan:
+                spans[-1][1] = hi
+            else:
+                spans.append([lo, hi, plan])
+        for lo, hi, (chunks, left) in spans:
+            kernel.amx_linear_out(x, tiles[lo // 16:hi // 16], y[:, lo:hi], 0, chunks)
+            for start, end, rows, at in left:
+                call = x[start:end]
+                if rows != end - start:   # (a row's products do not depend on the other rows' values)
+                    call = x.new_zeros((rows, x.shape[1]))
+                    call[at:at + end - start] = x[start:end]
+                y[start:end, lo:hi] = F.linear(call, weight[lo:hi])[at:at + end - start]
+        return y
 
     def wide_route(self) -> tuple[str, torch.Tensor] | None:
         """Where a bfloat16 weight's call of more rows than its codes serve goes to one of the kernel's own
@@ -387,6 +532,6 @@ def route_counts(linears) -> dict[str, int]:
         counts["panels"] += routed.panel is not None
         counts["kernel"] += routed.kernel is not None and routed.codes is None and routed.panel is None \
             and routed.weight.dtype == torch.float32
-        counts["packed"] += routed.packed is not None or routed.dot is not None
+        counts["packed"] += routed.packed is not None or routed.dot is not None or routed.tiles is not None
         counts["dots"] += routed.dots
     return counts

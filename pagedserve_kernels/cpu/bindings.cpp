@@ -33,6 +33,10 @@ bool has_bf16_dot();
 at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
+bool has_amx_linear();
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t chunk);
+void amx_linear_out(at::Tensor x, at::Tensor packed, at::Tensor y, int64_t chunk,
+                    c10::optional<at::Tensor> row_chunks);
 at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min);
 at::Tensor bf16_dots_codes_expand(at::Tensor codes, at::Tensor scale_min);
 bool has_q8_argmax();
@@ -90,6 +94,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x [M, K] . W^T for float32 W from panel_pack: each output the FMA chain over k in order, as coded_linear");
   m.def("has_coded_simd", &has_coded_simd, "whether coded_linear is vectorized in this build (AVX-512; else a scalar loop)");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has bf16_linear (the AVX512-BF16 dot product)");
+  m.def("has_amx_linear", &has_amx_linear, "whether this build and process have amx_linear (AMX tiles)");
+  m.def("amx_linear", &amx_linear, "x [M, K] . W^T in bfloat16 on AMX tiles, W from bf16_pack, K a multiple of 32: "
+        "every row summed over all of K in one accumulator, the bits of a call of that row alone; chunk (0: K): the "
+        "inputs in chunks of that many, their sums added", py::arg("x"), py::arg("packed"), py::arg("chunk") = 0);
+  m.def("amx_linear_out", &amx_linear_out, "amx_linear into out [M, N], whose rows are contiguous (a slice of "
+        "columns too); row_chunks (int32 [M]): each row's chunk, 0 for `chunk`'s", py::arg("x"), py::arg("packed"),
+        py::arg("out"), py::arg("chunk") = 0, py::arg("row_chunks") = py::none());
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");
   m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());

@@ -59,7 +59,10 @@ def test_bfloat16_layers_take_the_dot_kernel_where_the_cpu_has_no_amx(kernel):
     uses_dot = linear.bf16_dot_kernel(kernel)
     assert uses_dot == (kernel.has_bf16_dot() and "amx_bf16" not in cpu_flags())
     assert (routed.dot is not None) == uses_dot
-    assert (routed.packed is None) == uses_dot or not linear.has_packed_bf16_gemm()   # one copy, not two
+    # one copy laid out for many rows, not two: the dot kernel's, the AMX tiles' or oneDNN's
+    assert (routed.tiles is not None) == linear.amx_tiles(kernel)
+    assert sum(copy is not None for copy in (routed.dot, routed.tiles, routed.packed)) == 1 \
+        or not linear.has_packed_bf16_gemm()
     with torch.no_grad():
         for rows in (1, 5, 40):
             x = torch.randn(rows, 96).to(torch.bfloat16)

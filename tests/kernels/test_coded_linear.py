@@ -202,9 +202,11 @@ def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypa
         assert routed.codes is None
         return
     assert routed.codes is not None
-    # many rows: the AVX512-BF16 kernel where it is the route, else oneDNN's packed GEMM
+    # many rows: the AVX512-BF16 kernel where it is the route, the AMX tiles' where they are, else oneDNN's GEMM
     assert (routed.dot is not None) == linear.bf16_dot_kernel(kernel)
-    assert routed.dot is not None or routed.packed is not None or not linear.has_packed_bf16_gemm()
+    assert (routed.tiles is not None) == linear.amx_tiles(kernel)
+    many = routed.dot is not None or routed.tiles is not None or routed.packed is not None
+    assert many or not linear.has_packed_bf16_gemm()
     calls = []
     for name in ("coded_linear", "coded_pairs_linear"):   # the second where the codes are in pair order
         real = getattr(kernel, name)
@@ -212,12 +214,12 @@ def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypa
     with torch.no_grad():
         cap = routed.codes_max_rows
         assert cap == (linear.BF16_DOT_CODES_MAX_ROWS if routed.dot is not None else
-                       linear.BF16_CODES_MAX_ROWS if routed.packed is not None else sys.maxsize)
+                       linear.BF16_CODES_MAX_ROWS if many else sys.maxsize)
         for rows in (1, 300) if cap == sys.maxsize else (1, cap, cap + 1, 300):
             x = torch.randn(rows, 96).to(torch.bfloat16)
             torch.testing.assert_close(routed(x).float(), torch.nn.functional.linear(x, narrow).float(),
                                        atol=1e-3, rtol=2 ** -7)
-    assert calls == [1, cap] or (routed.packed is None and routed.dot is None)
+    assert calls == [1, cap] or not many
     # codes of another weight are not taken
     other = quantized.find_codes(_weight("q4_1", 64, 96, seed=6))
     assert linear.RoutedLinear(narrow, None, kernel, packed=True, codes=other).codes is None
@@ -247,4 +249,4 @@ def test_codes_in_pair_order_give_the_same_bits(kernel, kind, n, k):
     # the data plane's routing keeps only the pair order where the codes serve a few rows alone
     narrow = _weight(kind, n, k, seed=11).to(torch.bfloat16)
     routed = linear.RoutedLinear(narrow, None, kernel, packed=True, codes=codes)
-    assert routed.codes.paired == (routed.dot is not None or routed.packed is not None)
+    assert routed.codes.paired == (routed.dot is not None or routed.packed is not None or routed.tiles is not None)

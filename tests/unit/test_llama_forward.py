@@ -80,7 +80,8 @@ def test_bfloat16_lean_forward_gives_transformers_bfloat16_logits():
     reference.set_attn_implementation("sdpa")
     lean = llama_forward.LlamaForward(model)
     qkv = lean.layers[0].qkv
-    assert qkv.dot is not None or qkv.packed is not None or qkv.dots or not torch.backends.mkldnn.is_available()
+    assert qkv.dot is not None or qkv.packed is not None or qkv.tiles is not None or qkv.dots \
+        or not torch.backends.mkldnn.is_available()
     cfg = model.config
     ids = torch.tensor([3, 17, 99, 4, 250, 7, 31, 64])
     pool = torch.zeros(cfg.num_hidden_layers, 2, 4, 4, cfg.num_key_value_heads,
@@ -112,24 +113,28 @@ def test_bfloat16_decode_step_gives_transformers_bfloat16_logits():
     lean = llama_forward.LlamaForward(model)
     cfg = model.config
     assert cfg.intermediate_size > 1024
-    prompt, follows = [3, 17, 99, 4, 250, 7, 31, 64], [12, 400, 77, 5, 301, 42, 9, 260]
-    pool = torch.zeros(cfg.num_hidden_layers, 2, 5, 4, cfg.num_key_value_heads, 64, dtype=torch.bfloat16)
-    table, prompt_lens = torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    # a prompt of more rows than oneDNN sums in one accumulator on AMX tiles (StepContext.own_calls)
+    prompt = [3, 17, 99, 4, 250, 7, 31, 64] * 5
+    follows = [12, 400, 77, 5, 301, 42, 9, 260]
+    pool = torch.zeros(cfg.num_hidden_layers, 2, 12, 4, cfg.num_key_value_heads, 64, dtype=torch.bfloat16)
+    table, prompt_lens = torch.arange(12, dtype=torch.int32)[None], torch.tensor([40], dtype=torch.int32)
 
     def step(ids, first, one_row):
         positions = torch.arange(first, first + len(ids))
         lens, starts = torch.tensor([first + len(ids)], dtype=torch.int32), torch.tensor([0, len(ids)], dtype=torch.int32)
         ctx = StepContext(pool, positions.clone(), table, lens, starts, len(ids),
                           kernel_rows=attention_ops.kernel_rows(starts, lens, table, prompt_lens=prompt_lens),
-                          one_row=torch.full((len(ids),), one_row))
+                          one_row=torch.full((len(ids),), one_row),
+                          own_calls=None if one_row else linear_ops.OwnCalls([(0, len(ids), len(ids), 0)], len(ids)))
         return model.get_output_embeddings()(lean(torch.tensor(ids), positions, ctx))
 
     with torch.inference_mode():
         step(prompt, 0, False)
-        got = [step([token], 8 + k, True) for k, token in enumerate(follows)]
+        got = [step([token], 40 + k, True) for k, token in enumerate(follows)]
         cache = reference(torch.tensor([prompt]), use_cache=True).past_key_values
         expected = [reference(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0] for token in follows]
-    if lean.layers[0].down.dot is not None and lean.mkl_order:
+    down = lean.layers[0].down
+    if (down.dot is not None or down.tiles is not None) and lean.mkl_order:
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
     else:   # (other CPUs: oneDNN's own kernels, or SDPA's vectors the kernel does not follow)
         assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(got, expected))
@@ -164,6 +169,52 @@ def test_the_runner_marks_the_tokens_transformers_computes_alone():
         [yes] * 3, [yes] * 3]           # two decode steps
     # float32's products sum alike for every row count: no flags
     assert _one_row_flags("float32", prompts, steps=1) == [None] * 4
+
+
+def test_the_runner_marks_the_prompts_transformers_computes_in_calls_of_many_rows():
+    # a prompt longer than TILE_CALL_ROWS is one call of that many rows in transformers: its rows, and a chunk's
+    # at their places in that call (StepContext.own_calls, for the AMX tiles' route); bfloat16 only
+    assert linear_ops.TILE_CALL_ROWS == 32
+    prompts = [list(range(3, 43)), [8], list(range(50, 84))]   # 40, 1 and 34 tokens
+    runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, dtype="bfloat16")
+    lean, seen = runner.lean, []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lean, name)
+
+        def __call__(self, ids, positions, ctx):
+            seen.append(None if ctx.own_calls is None else (ctx.own_calls.ranges, ctx.own_calls.total))
+            return lean(ids, positions, ctx)
+
+    runner.lean = Spy()
+    play_steps(runner, prompts, steps=1, chunk=30)
+    assert seen == [([(0, 30, 40, 0), (31, 61, 34, 0)], 61),   # 30 of the first, the second's one, 30 of the third
+                    ([(0, 10, 40, 30), (10, 14, 34, 30)], 14),  # the rest of both (the second decodes in the next)
+                    None]                                        # a decode step
+    seen.clear()
+    runner = make_runner(paged_model(seed=3), num_blocks=64, swap_blocks=4, dtype="float32")
+    lean = runner.lean
+    runner.lean = Spy()
+    play_steps(runner, prompts, steps=0, chunk=30)
+    assert seen == [None, None]   # float32's products sum alike in every call
+
+
+def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch():
+    # prompts in chunks beside other prompts and decodes, against each request alone with its prompt in one step:
+    # every row takes the bits of transformers' call for it whatever the step holds (on AMX tiles the prompts'
+    # rows their call's order, StepContext.own_calls; elsewhere the kernels sum each row alike in every call)
+    prompts = [list(range(3, 43)), [8, 9, 10], list(range(50, 84)), list(range(90, 150))]
+
+    def run(group, chunk):
+        runner = make_runner(paged_model(seed=5, hidden=640, heads=10, kv_heads=5), num_blocks=64, swap_blocks=4,
+                             dtype="bfloat16")
+        return play_steps(runner, group, steps=4, chunk=chunk)
+
+    together = run(prompts, chunk=24)
+    for i, prompt in enumerate(prompts):
+        alone = [(t, lp, top) for _, t, lp, top in run([prompt], chunk=len(prompt))]
+        assert [(t, lp, top) for seq, t, lp, top in together if seq == i] == alone
 
 
 def test_another_architecture_keeps_transformers_forward():
