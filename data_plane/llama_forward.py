@@ -230,11 +230,13 @@ class LlamaForward:
         # each residual add is done in place together with the next norm
         x = ops.add_rms_norm(residual, None, *self.norms[0])
         keep = ctx.keep_rows
-        if fused and self.coded_layers is not None and tokens <= self.coded_rows:
+        # (rows of a long prompt take the AMX tiles' route whatever the step's rows: the codes sum as a call of one
+        # row, StepContext.own_calls)
+        if fused and self.coded_layers is not None and tokens <= self.coded_rows and own is None:
             return self.coded_layers.forward(residual, x, cos, sin, ctx.slot_mapping, rows.tables, rows.lens, rows.tokens,
                                              rows.ends, self.sdpa_lanes, rows.qrows if self.mkl_order else None, one_row,
                                              keep)
-        routes = self._routes(tokens)
+        routes = self._routes(tokens if own is None else max(tokens, self._route_cap))
         for index, layer in enumerate(self.layers):
             qkv_of, o_of, gate_up_of, down_of = routes[index]
             k_cache, v_cache = caches[index]

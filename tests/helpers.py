@@ -131,16 +131,17 @@ def paged_model(seed=0, **kw):
 
 
 def make_runner(model, num_blocks=64, block_size=4, device="cpu", swap_blocks=None, lean_forward=True,
-                dtype="float32"):
+                dtype="float32", narrowed_by_runner=False):
     """The data plane's ModelRunner over `model`, in-process (`swap_blocks` None: a CPU pool four times
     the device pool; `lean_forward` False keeps transformers' forward for a Llama; `dtype` the model's
-    and the pool's)."""
+    and the pool's; `narrowed_by_runner`: a float32 model goes to the runner as it is, which finds its GGUF codes
+    before it narrows it to `dtype`, as it serves a GGUF model in bfloat16)."""
     from data_plane.model_runner import ModelRunner
     from shared.config import DataPlaneConfig
     # not the data plane's default of 2 GiB: a tiny model's blocks are a few KiB, and the control plane
     # would keep a million of them, one object each, for every engine a test makes
     swap_blocks = 4 * num_blocks if swap_blocks is None else swap_blocks
-    model = model.to(getattr(torch, dtype))
+    model = model if narrowed_by_runner else model.to(getattr(torch, dtype))
     config = DataPlaneConfig(model="tiny", listen="inproc://x", block_size=block_size, kv_cache_blocks=num_blocks,
                              swap_blocks=swap_blocks, lean_forward=lean_forward, dtype=dtype)
     return ModelRunner(model.to(device), config, torch.device(device))

@@ -217,6 +217,24 @@ def test_bfloat16_tokens_and_logprobs_do_not_depend_on_the_batch():
         assert [(t, lp, top) for seq, t, lp, top in together if seq == i] == alone
 
 
+def test_a_long_prompts_last_rows_alone_in_a_step_take_its_calls_order():
+    # a GGUF model in bfloat16 reads its codes for steps of a few rows, in the order of a call of one row; the last
+    # rows of a prompt longer than TILE_CALL_ROWS, alone in a step, still take the prompt's call's order
+    from tests.helpers import gguf_form_model
+    prompt = list(range(3, 43))
+
+    def run(chunk):
+        # (a seed whose last rows' products differ between the two orders on the AMX machine, seen failing there
+        # before the forward took the tiles' route for them)
+        model = gguf_form_model(paged_model(seed=9, hidden=640, heads=10, kv_heads=5, layers=4))
+        runner = make_runner(model, num_blocks=64, swap_blocks=4, dtype="bfloat16", narrowed_by_runner=True)
+        return [(t, lp, top) for _, t, lp, top in play_steps(runner, [prompt], steps=3, chunk=chunk)], runner
+
+    (alone, runner), (tail, _) = run(40), run(36)   # the prompt in one step; in 36 rows, then 4
+    assert runner.lean.layers[0].qkv.codes is not None or not runner.lean.layers[0].qkv.kernel.has_coded_simd()
+    assert tail == alone
+
+
 def test_another_architecture_keeps_transformers_forward():
     from transformers import Qwen2Config, Qwen2ForCausalLM
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
