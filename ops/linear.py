@@ -56,6 +56,7 @@ AVX2).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
@@ -235,9 +236,9 @@ def onednn_chunk(kernel, rows: int, outputs: int, inputs: int) -> int | None:
 def amx_tiles(kernel) -> bool:
     """Whether bfloat16 products above the codes' rows take the kernel's own AMX tile product (`amx_linear`): the
     build and the process have the tiles, and oneDNN sums its calls of a few rows in their order (`onednn_tile_order`),
-    which that kernel keeps at every row count."""
-    return kernel is not None and hasattr(kernel, "has_amx_linear") and kernel.has_amx_linear() \
-        and onednn_tile_order(kernel)
+    which that kernel keeps at every row count. PAGEDSERVE_AMX_LINEAR=0 leaves them to oneDNN's GEMM."""
+    return os.environ.get("PAGEDSERVE_AMX_LINEAR", "1") != "0" and kernel is not None \
+        and hasattr(kernel, "has_amx_linear") and kernel.has_amx_linear() and onednn_tile_order(kernel)
 
 
 def bf16_dots_kernel(kernel) -> bool:
