@@ -162,6 +162,8 @@ class LlamaForward:
         self.norms.append((self.model.norm.weight, self.model.norm.variance_epsilon))
         self.post_norms = [(layer.post_norm.weight, layer.post_norm.variance_epsilon) for layer in self.layers]
         self._route_cap = max(lin.rows_cap for lin in self.linears())
+        # whether a step's long prompts (StepContext.own_calls) change a product's route: the AMX tiles' only
+        self._own_calls = any(lin.tiles is not None for lin in self.linears())
         self._route_cache: dict[int, list[tuple]] = {}
         self._pool, self._pool_views = None, []
         self.coded_layers, self.coded_rows = self._coded_layers()
@@ -224,7 +226,8 @@ class LlamaForward:
         cos, sin = self.rotary.cos_sin(residual, positions)
         tokens = residual.shape[0]
         caches = self._caches(ctx.kv_pool)
-        rows, one_row, own = ctx.kernel_rows, ctx.one_row, ctx.own_calls
+        rows, one_row = ctx.kernel_rows, ctx.one_row
+        own = ctx.own_calls if self._own_calls else None
         # the attention in two calls (rotary_store, paged_decode) when the kernel takes every query row
         fused = self.fused_attention and rows is not None and not rows.rest
         # each residual add is done in place together with the next norm

@@ -11,8 +11,8 @@ bfloat16, by what the CPU has:
 - AMX tiles, where oneDNN's calls of up to TILE_CALL_ROWS rows sum in the tiles' order (`onednn_tile_order`):
   the kernel of pagedserve_kernels/cpu/amx_linear.cpp on the AVX512-BF16 kernel's layout, every row summed over
   all of K in one accumulator, so that a row has the bits of a call of it alone (a generated token's, as
-  transformers computes it) at every row count; a whole prompt of more rows takes `F.linear`'s call of its own
-  rows (`own` in RoutedLinear.route), as transformers' prompt does.
+  transformers computes it) at every row count; the rows of a prompt of more rows, which transformers computes in
+  one call, the order of oneDNN's call of the prompt's length (`onednn_chunk`; `own` in RoutedLinear.route).
 - otherwise oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise`, the op inductor's freezing uses) on a
   weight reordered once at start into oneDNN's blocked layout: bit for bit `F.linear` on the same
   bfloat16 tensors (which reorders the weight at every call), at every row count and whatever the
