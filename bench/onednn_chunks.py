@@ -24,16 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 
 
-def cancelling(rows: int, outputs: int, inputs: int, gen):
-    import torch
-    half = inputs // 2
-    x = torch.randn(rows, half, generator=gen)
-    w = torch.randn(outputs, half, generator=gen)
-    x = torch.cat([x, x], 1).to(torch.bfloat16)
-    w = torch.cat([w, torch.randn(outputs, half, generator=gen) / 128 - w], 1).to(torch.bfloat16)
-    return x, w
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-rows", type=int, default=600)
@@ -60,8 +50,7 @@ def main(argv=None) -> int:
         print(f"\n{outputs} x {inputs}: rows apart from their one-row calls, by the call's rows: "
               + ", ".join(f"{m}: {n}" for m, n in apart.items()))
         candidates = [c for c in range(32, inputs + 1, 32) if inputs % c == 0]
-        xs, ws = cancelling(args.max_rows, outputs, inputs, gen)
-        tiles = kernel.bf16_pack(ws)
+        xs, ws, tiles = linear.probe_data(kernel, args.max_rows, outputs, inputs)
         runs = []
         for m in counts:
             with torch.no_grad():

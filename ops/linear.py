@@ -160,10 +160,10 @@ _chunks: dict[tuple, int | None] = {}
 _probes: dict[tuple, tuple] = {}
 
 
-def _probe_data(kernel, rows: int, outputs: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def probe_data(kernel, rows: int, outputs: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """onednn_chunk's random rows [rows, inputs], weight [outputs, inputs] and the weight's tiles layout, the second
-    half of each row's products nearly cancelling the first: made once per weight shape (the rows as many as asked
-    yet, grown by doubling) and kept."""
+    half of each row's products nearly cancelling the first (bench/onednn_chunks.py reads with them too): made once
+    per weight shape (the rows as many as asked yet, grown by doubling) and kept."""
     half = inputs // 2
     x_half, w, tiles = _probes.get((outputs, inputs), (None, None, None))
     if w is None:
@@ -218,7 +218,7 @@ def onednn_chunk(kernel, rows: int, outputs: int, inputs: int) -> int | None:
     key = (rows, outputs, inputs, torch.get_num_threads())
     if key in _chunks:
         return _chunks[key]
-    x, w, tiles = _probe_data(kernel, rows, outputs, inputs)
+    x, w, tiles = probe_data(kernel, rows, outputs, inputs)
     with torch.no_grad():
         theirs = F.linear(x, w)
     # the chunks found for other row counts of this weight shape first: a call's order changes with its rows

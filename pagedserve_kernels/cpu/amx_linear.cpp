@@ -73,9 +73,8 @@ void store_rows(const float (*sums)[kGroup], bf16* y0, int64_t N, int rows) {
 }
 
 // Blocks of ra (and rb, where TwoM) rows from row m0, times output groups g0 (and g0 + 1, where TwoN), into y
-// (row stride N). With
-// `chunk` < K, the inputs in chunks of that many, each summed from zero in the tiles, the chunks' sums added in
-// float32 in order (oneDNN's order for calls of more rows, where the call's shape makes it so)
+// (row stride N). With `chunk` < K, the inputs in chunks of that many, each summed from zero in the tiles, the
+// chunks' sums added in float32 in order (oneDNN's order for calls of more rows, where the call's shape makes it so)
 template <bool TwoM, bool TwoN>
 void block(const bf16* x, const bf16* w, bf16* y, int64_t m0, int ra, int rb, int64_t g0, int64_t K, int64_t N,
            int64_t chunk) {
@@ -84,8 +83,11 @@ void block(const bf16* x, const bf16* w, bf16* y, int64_t m0, int ra, int rb, in
   const bf16* xb = xa + kRows * K;
   const bf16* w0 = w + g0 * pairs * 2 * kGroup;
   const bf16* w1 = w0 + pairs * 2 * kGroup;
-  constexpr int64_t stride = kGroup * sizeof(float);
-  alignas(64) float sums[4][kRows][kGroup];   // the chunks summed so far, per C tile (chunk < K only)
+  bf16* ya = y + m0 * N + g0 * kGroup;
+  bf16* const dest[4] = {ya, ya + kGroup, ya + kRows * N, ya + kRows * N + kGroup};
+  const int rows[4] = {ra, ra, rb, rb};
+  alignas(64) float sums[4][kRows][kGroup];   // the chunks summed so far, per C tile (more than one chunk only)
+  alignas(64) float part[kRows][kGroup];      // a C tile's chunk, stored
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     _tile_zero(0);
     if (TwoN) _tile_zero(1);
@@ -102,53 +104,31 @@ void block(const bf16* x, const bf16* w, bf16* y, int64_t m0, int ra, int rb, in
       if (TwoM) _tile_dpbf16ps(2, 5, 6);
       if (TwoM && TwoN) _tile_dpbf16ps(3, 5, 7);
     }
-    if (chunk >= K) break;
-    alignas(64) float part[kRows][kGroup];
-    const bool first = k0 == 0;
-    auto gather = [&](int t, int rows) {
-      for (int i = 0; i < rows; ++i) {
+    const bool first = k0 == 0, last = k0 + chunk >= K;
+    // tile t's chunk (in `part`): the output where it is the only one, else added to the sums, the last time out
+    auto drain = [&](int t) {
+      if (first && last) return store_rows(part, dest[t], N, rows[t]);
+      for (int i = 0; i < rows[t]; ++i) {
         const __m512 v = _mm512_load_ps(part[i]);
         _mm512_store_ps(sums[t][i], first ? v : _mm512_add_ps(_mm512_load_ps(sums[t][i]), v));
       }
+      if (last) store_rows(sums[t], dest[t], N, rows[t]);
     };
+    constexpr int64_t stride = kGroup * sizeof(float);
     _tile_stored(0, part, stride);
-    gather(0, ra);
+    drain(0);
     if (TwoN) {
       _tile_stored(1, part, stride);
-      gather(1, ra);
+      drain(1);
     }
     if (TwoM) {
       _tile_stored(2, part, stride);
-      gather(2, rb);
+      drain(2);
     }
     if (TwoM && TwoN) {
       _tile_stored(3, part, stride);
-      gather(3, rb);
+      drain(3);
     }
-  }
-  bf16* ya = y + m0 * N + g0 * kGroup;
-  bf16* const dest[4] = {ya, ya + kGroup, ya + kRows * N, ya + kRows * N + kGroup};
-  const int rows[4] = {ra, ra, rb, rb};
-  if (chunk < K) {
-    for (int t = 0; t < 4; ++t)
-      if ((t != 1 && t != 3) || TwoN)
-        if (t < 2 || TwoM) store_rows(sums[t], dest[t], N, rows[t]);
-    return;
-  }
-  alignas(64) float sums1[kRows][kGroup];
-  _tile_stored(0, sums1, stride);
-  store_rows(sums1, dest[0], N, ra);
-  if (TwoN) {
-    _tile_stored(1, sums1, stride);
-    store_rows(sums1, dest[1], N, ra);
-  }
-  if (TwoM) {
-    _tile_stored(2, sums1, stride);
-    store_rows(sums1, dest[2], N, rb);
-  }
-  if (TwoM && TwoN) {
-    _tile_stored(3, sums1, stride);
-    store_rows(sums1, dest[3], N, rb);
   }
 }
 #endif
