@@ -37,6 +37,7 @@ def explain(runner, hf, prompt: list[int]) -> None:
 
     from data_plane.attention import StepContext
     from ops import attention as attention_ops
+    from ops import linear as linear_ops
     lean, cfg = runner.lean, hf.config
     P, bs = len(prompt), runner.block_size
     blocks, ids = -(-P // bs), torch.tensor(prompt)
@@ -44,13 +45,15 @@ def explain(runner, hf, prompt: list[int]) -> None:
     lens, starts = torch.tensor([P], dtype=torch.int32), torch.tensor([0, P], dtype=torch.int32)
     rows = attention_ops.kernel_rows(starts, lens, tables)   # the prompt's rows for the attention kernel
     every = lean.layers
+    # the prompt's rows as the runner hands them to the products (StepContext.own_calls): one call of P rows
+    own = linear_ops.OwnCalls([(0, P, P, 0)], P) if P > linear_ops.TILE_CALL_ROWS else None
 
     def lean_through(n: int) -> torch.Tensor:
         """Layer n's input norm of the residual after the first n layers, by the lean forward."""
         pool = torch.zeros(cfg.num_hidden_layers, 2, blocks, bs, cfg.num_key_value_heads,
                            cfg.hidden_size // cfg.num_attention_heads, dtype=torch.bfloat16)
         ctx = StepContext(pool, torch.arange(P, dtype=torch.int64), tables, lens, starts, P, backend=runner.backend,
-                          kernel_rows=rows)
+                          kernel_rows=rows, own_calls=own)
         # the first n layers alone, one call each: the kernel's layers in one call (CodedLayers) run them all
         coded, lean.coded_layers, lean.layers = lean.coded_layers, None, every[:n]
         try:
@@ -80,7 +83,7 @@ def explain(runner, hf, prompt: list[int]) -> None:
         for h in hooks:
             h.remove()
         qkv = torch.cat([seen["q"], seen["k"], seen["v"]], -1).contiguous()
-        differs("q, k, v", layer.qkv(seen["q in"].contiguous()), qkv)
+        differs("q, k, v", layer.qkv(seen["q in"].contiguous(), own=own), qkv)
         # the attention from transformers' own q, k and v: rotary, the cache write, the kernel's rows
         cos, sin = lean.rotary.cos_sin(seen["q in"], torch.arange(P))
         k_cache = torch.zeros(blocks, bs, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16)
@@ -91,14 +94,14 @@ def explain(runner, hf, prompt: list[int]) -> None:
         lean.kernel.paged_decode(out, q, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, layer.scaling, 0, 0.0,
                                  None, None, 0, rows.ends, lean.sdpa_lanes, rows.qrows if lean.mkl_order else None)
         differs("attention", out.view(P, -1), seen["o in"])
-        differs("o", layer.o(seen["o in"].contiguous()), seen["o"])
+        differs("o", layer.o(seen["o in"].contiguous(), own=own), seen["o"])
         residual = seen["in"].clone()
         differs("add, norm", lean.ops.add_rms_norm(residual, seen["o"].contiguous(), *lean.post_norms[first]),
                 seen["post_norm"])
         gate_up = torch.cat([seen["gate"], seen["up"]], -1).contiguous()
-        differs("gate, up", layer.gate_up(seen["post_norm"].contiguous()), gate_up)
+        differs("gate, up", layer.gate_up(seen["post_norm"].contiguous(), own=own), gate_up)
         differs("SiLU(gate) up", lean.ops.silu_mul(gate_up), seen["down in"])
-        differs("down", layer.down(seen["down in"].contiguous()), seen["down"])
+        differs("down", layer.down(seen["down in"].contiguous(), own=own), seen["down"])
 
 
 def main(argv=None) -> int:

@@ -5,11 +5,16 @@ which); this reads it from MKL itself, through ctypes, so that a new CPU's order
 
     python bench/mkl_order.py                 # the kernel's known orders against MKL on random products
     python bench/mkl_order.py --tree 100,1,0  # which terms of q.k meet before term 0 (100 keys, one query row)
+    python bench/mkl_order.py --brgemm        # oneDNN's brgemm (torch's packed flash attention) against its groups
 
 --tree M,N,B: per pair of dimensions x, y, whether their terms are added together before the term of
 dimension B joins them ("1") or after ("0"), for an output of a call of M keys and N query rows; the terms are
 1 at B and 2^-24 at x and y (half a unit in the last place of 1: 1 + 2^-23 only when x and y met first).
 The default run prints, per order, the outputs whose bits differ from MKL's on random bfloat16 inputs.
+--brgemm: torch's flash attention takes its products from torch's cpublas::brgemm (oneDNN) instead where it packs
+bfloat16 (AMX tiles; calls of 64 query rows and keys or more): per count of summed inputs K, the outputs whose bits
+differ from the tile order in groups of the largest even divisor of K (rounded up to even) up to 32, the order
+pagedserve_kernels/cpu/paged_decode.cpp follows there (brgemm_group), and from MKL's groups of 32.
 """
 from __future__ import annotations
 
@@ -101,6 +106,70 @@ def check(gemm, seeds: int) -> None:
               f"{n * D * seeds} differ")
 
 
+def torch_brgemm():
+    """torch's cpublas::brgemm for bfloat16 (A [M, K] row-major, B [K, N] in pairs of K: vnni2), or None where
+    torch cannot pack bfloat16 (no AMX tiles): then its flash attention never takes it."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    could_pack = lib._ZN2at6native7cpublas10could_packEN3c1010ScalarTypeE
+    could_pack.restype, could_pack.argtypes = ctypes.c_bool, [ctypes.c_int]
+    if not could_pack(15):   # c10::ScalarType::BFloat16
+        return None
+    fn = lib._ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb
+    n, b, p = ctypes.c_int64, ctypes.c_bool, ctypes.c_void_p
+    fn.restype, fn.argtypes = None, [n, n, n, n, n, n, b, p, p, p, b]
+    release = lib._ZN2at6native7cpublas14brgemm_releaseEb
+    release.restype, release.argtypes = None, [ctypes.c_bool]
+
+    def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        m, k = a.shape
+        if k % 2:   # (torch pads an odd K with a zero, as here)
+            a, w = torch.cat([a, a.new_zeros(m, 1)], 1), torch.cat([w, w.new_zeros(1, w.shape[1])])
+        pairs = w.reshape(-1, 2, w.shape[1]).transpose(1, 2).contiguous()
+        out = torch.zeros(m, w.shape[1])
+        fn(m, w.shape[1], a.shape[1], a.shape[1], w.shape[1], w.shape[1], False, a.contiguous().data_ptr(),
+           pairs.data_ptr(), out.data_ptr(), True)
+        release(True)
+        return out
+    return product
+
+
+def brgemm_group(k: int) -> int:
+    """brgemm's group of inputs for K inputs (as paged_decode.cpp's brgemm_group)."""
+    even = k + k % 2
+    return next(g for g in range(32, 0, -2) if even % g == 0)
+
+
+def grouped_tile_order(a: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
+    """a [M, K] . w [K, N] in the tile order with groups of `group` inputs (tile_order_product's is 32)."""
+    a, w = a.float().t().contiguous(), w.float().contiguous()
+    total = torch.zeros(a.shape[1], w.shape[1])
+    for g in range(0, a.shape[0], group):
+        sums = [torch.zeros_like(total), torch.zeros_like(total)]
+        for i in range(g, min(g + group, a.shape[0])):
+            sums[(i - g) % 2] = sums[(i - g) % 2] + a[i, :, None] * w[i]
+        total = total + (sums[0] + sums[1])
+    return total
+
+
+def check_brgemm(seeds: int) -> None:
+    product = torch_brgemm()
+    if product is None:
+        print("torch packs no bfloat16 on this CPU (cpublas::could_pack): its flash attention keeps MKL's GEMM")
+        return
+    gen = torch.Generator().manual_seed(0)
+    print("K inputs (group): outputs differing from the groups' order / from groups of 32, of all")
+    for k in (2, 17, 33, 34, 63, 64, 65, 66, 67, 80, 96, 97, 98, 125, 126, 128, 150, 191, 192, 193, 250, 300, 512):
+        differ, total = [0, 0], 0
+        for _ in range(seeds):
+            a = torch.randn(8, k, generator=gen).to(torch.bfloat16)
+            w = torch.randn(k, D, generator=gen).to(torch.bfloat16)
+            got = product(a, w)
+            differ[0] += int((got != grouped_tile_order(a, w, brgemm_group(k))).sum())
+            differ[1] += int((got != grouped_tile_order(a, w, 32)).sum())
+            total += got.numel()
+        print(f"  K {k:3d} ({brgemm_group(k):2d}): {differ[0]} / {differ[1]} of {total}")
+
+
 def tree(gemm, m: int, n: int, b: int) -> None:
     tiny = 2.0 ** -12
     for x in range(D):
@@ -121,10 +190,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", help="M,N,B: keys, query rows, the dimension whose term the others meet")
     ap.add_argument("--seeds", type=int, default=3, help="random inputs per shape")
+    ap.add_argument("--brgemm", action="store_true", help="oneDNN's brgemm's groups (torch's packed products)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     gemm = mkl_gemm()
-    if args.tree:
+    if args.brgemm:
+        check_brgemm(args.seeds)
+    elif args.tree:
         tree(gemm, *(int(v) for v in args.tree.split(",")))
     else:
         print("the kernel's tile order (AMX) against MKL's cblas_gemm_bf16bf16f32 on this CPU:")

@@ -5,11 +5,11 @@ transformers' bfloat16 SDPA on a CPU runs torch's flash-attention kernel, which 
 MKL's bfloat16 GEMM. The order in which that GEMM adds its float32 terms is MKL's own and depends on the CPU
 (the kernel follows the one read from MKL's AVX2 path on an AMD AVX-512 CPU: pagedserve_kernels/cpu/paged_decode.cpp;
 on an AVX2-only CPU some rows differ, the check says so, and the kernel keeps its own order there). With AMX tiles
-MKL takes other orders, which the kernel also knows ("the tile order", `set_sdpa_tile_order`): there every decode
-row, and every row of a prompt of up to TILE_EXACT_PROMPT tokens, is SDPA's bit for bit; a longer prompt's rows
-can differ in a few values (torch's calls for those are not read yet). Checked
-once per process, on random attention in a paged pool against SDPA as transformers calls it: decode rows
-past one and two blocks of 512 keys, and the rows of prompts whose calls take each shape of product."""
+MKL takes other orders, which the kernel also knows ("the tile order", `set_sdpa_tile_order`), and torch takes
+a prompt's products of 64 tokens or more from oneDNN's brgemm instead (its packed path), whose groups of keys the
+kernel follows too (paged_decode.cpp's sdpa_packs). Checked once per process, on random attention in a paged pool
+against SDPA as transformers calls it (the KV heads as they are: enable_gqa): decode rows past one and two blocks
+of 512 keys, and the rows of prompts whose calls take each shape of product."""
 from __future__ import annotations
 
 import functools
@@ -20,14 +20,15 @@ import torch.nn.functional as F
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16   # SmolLM2's attention
 
 # (queries, keys): decode rows, and prompts whose query blocks are of one to three rows, of under twelve
-# keys, and of 32 rows
-CHECK_CASES = ((1, 5), (1, 150), (1, 600), (1, 1030), (7, 7), (34, 34), (35, 35), (51, 51), (96, 96))
+# keys, and of 32 rows; prompts that torch packs, their keys summed in groups of 32 (96) and of 4 and 18 (67, 125)
+CHECK_CASES = ((1, 5), (1, 150), (1, 600), (1, 1030), (7, 7), (34, 34), (35, 35), (51, 51), (96, 96), (67, 67),
+               (125, 125))
 
 
 def sdpa_case(queries: int, keys: int, seed: int) -> tuple[tuple, torch.Tensor]:
     """Random bfloat16 attention of `queries` query tokens (the last ones, causal) over `keys` keys in a paged
     pool: the arguments of ops.attention.paged_attention (before `backend`), and transformers' result for it
-    (SDPA over the same keys, the KV heads repeated as transformers repeats them)."""
+    (SDPA over the same keys, the KV heads as they are, as transformers passes them without a mask)."""
     gen = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(keys, KV_HEADS, DIM, generator=gen).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(queries, HEADS, DIM, generator=gen).to(torch.bfloat16)
@@ -38,11 +39,9 @@ def sdpa_case(queries: int, keys: int, seed: int) -> tuple[tuple, torch.Tensor]:
     args = (q, k_cache.view(shape), v_cache.view(shape), torch.arange(blocks, dtype=torch.int32)[None],
             torch.tensor([keys], dtype=torch.int32), torch.tensor([0, queries], dtype=torch.int32), DIM ** -0.5,
             queries)
-    group = HEADS // KV_HEADS
     sdpa = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(group, 0)[None],
-        v.transpose(0, 1).repeat_interleave(group, 0)[None], scale=DIM ** -0.5,
-        is_causal=queries > 1)[0].transpose(0, 1)
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=DIM ** -0.5,
+        is_causal=queries > 1, enable_gqa=True)[0].transpose(0, 1)
     return args, sdpa
 
 
@@ -74,9 +73,6 @@ def prompt_runs(args: tuple, runs: tuple[int, ...], backend, max_query: int | No
         done += run
     return results
 
-
-# the longest prompt whose rows the tile order gives SDPA's bits on every seed tried (see the module's docstring)
-TILE_EXACT_PROMPT = 64
 
 # Random inputs per case: where the orders differ, a case shows it on some inputs only (on an AVX2-only
 # CPU a few of 8 seeds differ in one to thirty values), so one seed per case can pass by luck. The

@@ -235,6 +235,7 @@ struct Shape {
   // kernel's order for that row): then q.k and the weighted values add in the order of MKL's product
   const int32_t* qrows = nullptr;
   int block_shift = -1;           // log2(block_size) where that is a power of two
+  int64_t threads = 1;            // torch's threads at the call (they decide torch's products, sdpa_packs)
 };
 
 // the first position a query at `last` sees: within its window and its chunk
@@ -731,6 +732,30 @@ constexpr int64_t kMklSeqRows = 4, kMklSeqKeys = 12;
 constexpr int64_t kTileGroup = 32;
 static_assert(kSdpaBlock % kTileGroup == 0, "a block of torch's keys holds whole groups");
 
+// Where bfloat16 can pack (AMX tiles), torch's flash attention takes a call's products from oneDNN's brgemm on
+// weights packed once instead of MKL's GEMM, when the call has 64 query rows and 64 keys or more and its products
+// outweigh the packing (torch's own test, below, with transformers' KV heads as they are: enable_gqa). brgemm
+// sums the weighted values' keys (the call's keys, rounded up to even) in groups of the largest even divisor of
+// that count up to 32 (read from torch's cpublas::brgemm on an Intel Xeon with AMX: bench/mkl_order.py
+// --brgemm), each group in the tile order; MKL's groups of 32 otherwise. (q.k sums the head's dimensions: 32 for
+// the head sizes whose multiples of 32 both take.)
+inline bool sdpa_packs(const Shape& sh, int64_t qsize, int64_t kvsize) {
+  if (qsize < 64 || kvsize < 64) return false;
+  const int64_t split = qsize >= 768 ? 256 : qsize >= 192 ? 64 : 32;   // torch's query rows per item
+  const int64_t slices = (qsize + split - 1) / split;
+  const int64_t per_thread = (sh.kv_heads * sh.group * slices + sh.threads - 1) / sh.threads;
+  const double products = static_cast<double>(per_thread) * split * std::min(qsize, kvsize) * sh.head_dim;
+  return products / (static_cast<double>(sh.kv_heads) * kvsize * sh.head_dim) >= 4.0;
+}
+
+// brgemm's group of keys for a block of `keys` keys (above)
+inline int64_t brgemm_group(int64_t keys) {
+  const int64_t even = keys + keys % 2;
+  int64_t g = kTileGroup;
+  while (even % g != 0) g -= 2;
+  return g;
+}
+
 // dimensions d of q.k summed in `chains` chains over d mod chains, the chains then added pairwise as
 // MKL does (chains 4: (0 + 2) + (1 + 3); 8: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))); 1: sequential
 template <typename T>
@@ -1057,8 +1082,13 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   const bool fours = mkl && qrows == 1 && !tile_row;
   const int64_t tail_from = fours ? len - (len % kSdpaBlock) % 4 : len;
   const T* tail[4];
-  // MKL's tile order (two or more query rows): per group of kTileGroup keys, the even and the odd keys' sums
+  // MKL's tile order (two or more query rows): per group of kTileGroup keys, the even and the odd keys' sums;
+  // brgemm's groups in the call's last block of keys where torch packs (sdpa_packs: a prompt's call, as many
+  // query rows as keys; qrows is the rows of torch's block of them)
   const bool tiles = mkl && qrows >= 2 && g_tile_order.load(std::memory_order_relaxed);
+  const int64_t last_block = (end - 1) / kSdpaBlock;
+  const int64_t last_group = tiles && sdpa_packs(sh, end, end) ? brgemm_group(end - last_block * kSdpaBlock)
+                                                               : kTileGroup;
   __m512 group_sum[2][C][NV];
   walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
@@ -1083,13 +1113,15 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_add_ps(acc[c][v], group_sum[0][c][v]);
     } else if (tiles) {
-      if (p % kTileGroup == 0)
+      const int64_t size = p / kSdpaBlock == last_block ? last_group : kTileGroup;
+      const int64_t at = p % kSdpaBlock % size;   // (groups start even: a group's even keys are the even p)
+      if (at == 0)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) group_sum[0][c][v] = group_sum[1][c][v] = _mm512_setzero_ps();
       add_to(group_sum[p % 2], p, val);
-      // the group ends at its 32nd key (a block of kSdpaBlock holds whole groups) or the row's last (later keys
+      // the group ends at its last key (a block of kSdpaBlock holds whole groups) or the row's last (later keys
       // add zeros)
-      if (p % kTileGroup == kTileGroup - 1 || p + 1 == len)
+      if (at == size - 1 || p + 1 == len)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v)
             acc[c][v] = _mm512_add_ps(acc[c][v], _mm512_add_ps(group_sum[0][c][v], group_sum[1][c][v]));
@@ -1254,6 +1286,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
   sh.window = window;
   sh.softcap = static_cast<float>(softcap);
   sh.chunk = chunk;
+  sh.threads = at::get_num_threads();
   if (sinks.has_value()) sh.sinks = sinks->data_ptr<float>();
   if (alibi.has_value()) sh.alibi = alibi->data_ptr<float>();
   TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "paged_decode: lanes 0, 8 or 16");
