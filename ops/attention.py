@@ -208,7 +208,8 @@ class KernelRows:
     # over the prompt, a later token alone over its context; see kernel_rows)
     ends: torch.Tensor | None = None
     # int32 [R]: the query rows of that call's block in which torch's flash attention computes row r (1 for a
-    # decode row): the shape of the two products whose order the kernel can follow (Backend.mkl_order)
+    # decode row, -1 for a prompt's row alone in its block, whose products the kernel finds from the call's shape):
+    # the shape of the two products whose order the kernel can follow (Backend.mkl_order)
     qrows: torch.Tensor | None = None
 
 
@@ -251,10 +252,12 @@ def transformers_calls(position: torch.Tensor, prompt_len: torch.Tensor) -> tupl
 
 def _calls(position: torch.Tensor, keys: torch.Tensor, decode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, query rows) as int32: torch's flash attention splits a call's queries into blocks of 32 (under
-    192 queries), 64 (under 768) or 256; a decode row is a call of one."""
+    192 queries), 64 (under 768) or 256; a decode row is a call of one (1), a prompt's row alone in its block -1
+    (KernelRows.qrows)."""
     split = torch.where(keys < 192, 32, torch.where(keys < 768, 64, 256))
     first = torch.div(position, split, rounding_mode="floor") * split
-    rows = torch.where(decode, torch.ones_like(keys), torch.minimum(split, keys - first))
+    block = torch.minimum(split, keys - first)
+    rows = torch.where(decode, torch.ones_like(keys), torch.where(block == 1, -torch.ones_like(keys), block))
     return keys.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous()
 
 

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16   # SmolLM2's attention
 
 # (queries, keys): decode rows, and prompts whose query blocks are of one to three rows, of under twelve
-# keys, and of 32 rows; prompts that torch packs, their keys summed in groups of 32 (96) and of 4 and 18 (67, 125)
+# keys, and of 32 rows; prompts that torch packs, their keys summed in groups of 32 (96) and of 4 and 18 (67, 125),
+# the last row of 97 alone in its block
 CHECK_CASES = ((1, 5), (1, 150), (1, 600), (1, 1030), (7, 7), (34, 34), (35, 35), (51, 51), (96, 96), (67, 67),
-               (125, 125))
+               (125, 125), (97, 97))
 
 
 def sdpa_case(queries: int, keys: int, seed: int) -> tuple[tuple, torch.Tensor]:

@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention over the block pool (float32 or bfloat16; window, softcap and chunk 0: none; "
         "sinks and ALiBi slopes float32 [heads] or None; ends int32 [R], the keys of transformers' call per row, "
         "with lanes 8 or 16: bfloat16 in torch's SDPA order; qrows int32 [R], the query rows of that call (0: "
-        "none): its two products in MKL's order)",
+        "none; -1: a prompt's row alone in its block): its two products in MKL's order)",
         pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("tokens"), pybind11::arg("scale"),
         pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("sinks") = pybind11::none(),

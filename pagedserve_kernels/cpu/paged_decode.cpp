@@ -1220,9 +1220,13 @@ void run_rows(const Shape& sh, const T* q, const T* kc, const T* vc, T* o, const
     for (int64_t item = bounds[p0]; item < bounds[p1]; ++item) {
       const int64_t r = item / items_per_row, h0 = (item % items_per_row) * heads_per_item;
       const int64_t tok = toks[r], len = lens[r], end = sh.ends != nullptr ? sh.ends[r] : len;
-      [[maybe_unused]] const int64_t qrows = sh.qrows != nullptr ? sh.qrows[r] : 0;   // (AVX-512 only)
       const int32_t* table = tables + r * sh.max_blocks;
 #ifdef PAGEDSERVE_AVX512
+      // -1: a prompt's row alone in torch's block, whose products are a decode row's unless torch packs the call
+      // (then the tile order's, as for two or more rows)
+      const int64_t qrows = sh.qrows == nullptr ? 0
+                            : sh.qrows[r] >= 0 ? sh.qrows[r]
+                            : g_tile_order.load(std::memory_order_relaxed) && sdpa_packs(sh, end, end) ? 2 : 1;
       // the keys the thread's next item starts on
       Then<T> then;
       if (item + 1 < bounds[p1]) {
@@ -1313,7 +1317,7 @@ void paged_decode(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tens
     const int64_t used = (len + sh.block_size - 1) / sh.block_size;
     TORCH_CHECK(len >= 1 && used <= sh.max_blocks, "paged_decode: row ", r, " has bad length ", len);
     TORCH_CHECK(sh.ends == nullptr || sh.ends[r] >= len, "paged_decode: row ", r, " ends before its length");
-    TORCH_CHECK(sh.qrows == nullptr || sh.qrows[r] >= 0, "paged_decode: row ", r, " has negative query rows");
+    TORCH_CHECK(sh.qrows == nullptr || sh.qrows[r] >= -1, "paged_decode: row ", r, " has query rows below -1");
     for (int64_t b = 0; b < used; ++b) {
       const int32_t blk = tables[r * sh.max_blocks + b];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode: block id ", blk, " out of range");

@@ -89,6 +89,30 @@ def test_rows_in_the_order_of_mkls_amx_tiles(kernel):
     assert attention.choose(torch.device("cpu"), torch.bfloat16).mkl_order and kernel.sdpa_tile_order()
 
 
+def test_prompt_rows_of_calls_that_torch_packs_are_sdpas(kernel):
+    # Where torch packs bfloat16 (AMX tiles), a prompt's call of 64 tokens or more takes oneDNN's brgemm, which sums
+    # the weighted values' keys in groups of its own (125 keys: 18), and a row alone in torch's block of query rows
+    # (the 513th) takes the tile order too, not a decode row's: both SDPA's bit for bit
+    lanes = attention.torch_sdpa_lanes(torch.bfloat16)
+    if not lanes or not torch.cpu._is_amx_tile_supported() or "MKL_ENABLE_INSTRUCTIONS" in os.environ:
+        pytest.skip("torch packs bfloat16 only on a CPU with AMX tiles, unless held to other instructions")
+    assert attention.choose(torch.device("cpu"), torch.bfloat16).mkl_order and kernel.sdpa_tile_order()
+    for prompt, seed in ((125, 126), (513, 518)):
+        args, expected = sdpa_order.sdpa_case(prompt, prompt, seed=seed)
+        query, k_cache, v_cache, tables, seq_lens, starts, scale, _ = args
+        rows = attention.kernel_rows(starts, seq_lens, tables, max_query=prompt)
+        assert rows.rest == [] and rows.qrows[-1].item() == (-1 if prompt == 513 else 29)
+
+        def run(qrows):
+            out = torch.empty_like(query)
+            kernel.paged_decode(out, query, k_cache, v_cache, rows.tables, rows.lens, rows.tokens, float(scale), 0,
+                                0.0, None, None, 0, rows.ends, lanes, qrows.contiguous())
+            return out
+        assert torch.equal(run(rows.qrows), expected), prompt
+    # the 513th row as a decode row (qrows 1) is not SDPA's on this seed
+    assert not torch.equal(run(rows.qrows.abs())[-1], expected[-1])
+
+
 def test_a_mixed_batch_in_mkl_order_gives_each_row_its_own_result(kernel):
     # decode rows past one and two blocks of 512 keys, and prompts, their blocks shuffled in the pool: each
     # sequence's rows are the same in the batch as alone, and (where the order is MKL's) SDPA's bit for bit
