@@ -42,7 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # rows, context, and how the contexts differ: "" all equal, "spread" uniform in 8 .. 2 context - 8, "oldest
 # first" the same spread sorted longest first, as a decode step's rows come
 GRID = [(1, 128, ""), (1, 512, ""), (8, 128, ""), (64, 64, ""), (64, 128, ""), (64, 256, ""),
-        (8, 128, "spread"), (64, 128, "spread"), (64, 256, "spread"), (64, 256, "oldest first")]
+        (8, 128, "spread"), (64, 128, "spread"), (64, 256, "spread"), (64, 256, "oldest first"),
+        (64, 64, "prompt"), (128, 128, "prompt"), (192, 192, "prompt")]
 LAYERS, BLOCK, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 
 
@@ -88,25 +89,33 @@ def attention(before, after, repeats: int) -> None:
     from ops.attention import choose, kernel_rows
     print(f"\npaged decode, {LAYERS} layers, blocks shuffled, in the order the data plane asks for; ms (median of {repeats})")
     print(f"{'dtype':9} {'rows':>4} {'context':>9} {'before':>8} {'after':>8} {'after/before':>12}"
-          "   (8-N: contexts spread over 8..N; 8-N<: the same, longest first)")
+          "   (8-N: contexts spread over 8..N; 8-N<: the same, longest first; N prompt: the rows of one prompt)")
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         # the data plane's route: torch's SDPA order (its lanes; MKL's order of the products where that was
         # found at start), as data_plane/llama_forward.py calls the kernel
         backend = choose(torch.device("cpu"), dtype)
+        if hasattr(before, "set_sdpa_tile_order"):   # (the start-up check chose the order in this checkout's build)
+            before.set_sdpa_tile_order(after.sdpa_tile_order())
         num_blocks = max(rows * ctx for rows, ctx, _ in GRID) // BLOCK * 4
         # in huge pages, as the data plane's pool (data_plane/kv_pool.py)
         pool = torch.empty(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
         kv_pool.advise_huge_pages(pool)
         pool.copy_(torch.randn(pool.shape, generator=gen))
         for rows, ctx, spread in GRID:
-            lens = torch.randint(8, 2 * ctx - 7, (rows,), generator=gen) if spread else torch.full((rows,), ctx)
-            if spread == "oldest first":
-                lens = lens.sort(descending=True).values
-            width = -(-int(lens.max()) // BLOCK)
-            tables = torch.randperm(num_blocks, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
             query = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
-            work = kernel_rows(torch.arange(rows + 1, dtype=torch.int32), lens.to(torch.int32), tables)
+            if spread == "prompt":   # one sequence's prompt in one step, as the runner hands it (its length known)
+                lens = torch.tensor([ctx], dtype=torch.int32)
+                tables = torch.randperm(num_blocks, generator=gen)[:-(-ctx // BLOCK)].view(1, -1).to(torch.int32)
+                work = kernel_rows(torch.tensor([0, rows], dtype=torch.int32), lens, tables, max_query=rows,
+                                   prompt_lens=lens)
+            else:
+                lens = torch.randint(8, 2 * ctx - 7, (rows,), generator=gen) if spread else torch.full((rows,), ctx)
+                if spread == "oldest first":
+                    lens = lens.sort(descending=True).values
+                width = -(-int(lens.max()) // BLOCK)
+                tables = torch.randperm(num_blocks, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
+                work = kernel_rows(torch.arange(rows + 1, dtype=torch.int32), lens.to(torch.int32), tables)
 
             def run(module):
                 outs = []
@@ -118,7 +127,8 @@ def attention(before, after, repeats: int) -> None:
                     outs.append(out)
                 return outs
             b, a = alternate(before, after, run, repeats)
-            label = (f"8-{2 * ctx - 8}" + ("<" if spread == "oldest first" else "")) if spread else str(ctx)
+            label = f"{ctx} prompt" if spread == "prompt" else \
+                (f"8-{2 * ctx - 8}" + ("<" if spread == "oldest first" else "")) if spread else str(ctx)
             print(f"{str(dtype)[6:]:9} {rows:>4} {label:>9} {b * 1e3:>8.2f} {a * 1e3:>8.2f} {a / b:>12.2f}", flush=True)
 
 

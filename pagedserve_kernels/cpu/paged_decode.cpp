@@ -1090,6 +1090,7 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
   const int64_t last_group = tiles && sdpa_packs(sh, end, end) ? brgemm_group(end - last_block * kSdpaBlock)
                                                                : kTileGroup;
   __m512 group_sum[2][C][NV];
+  int64_t next_at = 0;   // the next key's place in its group (the walk goes through the keys in order)
   walk_context(vc, table, begin, full_len, sh.block_size, sh.slot_stride, [&](int64_t p, const T* row) {
     if (sdpa && p > 0 && p % kSdpaBlock == 0)
       for (int c = 0; c < C; ++c) {
@@ -1113,8 +1114,13 @@ void decode_heads16(const Shape& sh, const T* q, const T* kc, const T* vc, T* o,
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) acc[c][v] = _mm512_add_ps(acc[c][v], group_sum[0][c][v]);
     } else if (tiles) {
-      const int64_t size = p / kSdpaBlock == last_block ? last_group : kTileGroup;
-      const int64_t at = p % kSdpaBlock % size;   // (groups start even: a group's even keys are the even p)
+      // (groups start even: a group's even keys are the even p)
+      int64_t at = p % kTileGroup, size = kTileGroup;
+      if (last_group != kTileGroup) {
+        size = p / kSdpaBlock == last_block ? last_group : kTileGroup;
+        at = p % kSdpaBlock == 0 ? 0 : next_at;
+        next_at = at + 1 == size ? 0 : at + 1;
+      }
       if (at == 0)
         for (int c = 0; c < C; ++c)
           for (int v = 0; v < NV; ++v) group_sum[0][c][v] = group_sum[1][c][v] = _mm512_setzero_ps();
