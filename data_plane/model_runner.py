@@ -408,7 +408,8 @@ class ModelRunner:
             if decode_only:
                 rows = attention_ops.decode_rows(self._row_ids(seq_lens.shape[0]), tables, seq_lens, prompt_lens)
             else:
-                rows = attention_ops.kernel_rows(starts, seq_lens, tables, prompt_lens=prompt_lens)
+                rows = attention_ops.kernel_rows(starts, seq_lens, tables, prompt_lens=prompt_lens,
+                                                 chunks=self.backend.prompt_chunks)
         return attention.GroupStep(torch.tensor(slots, dtype=torch.int64, device=self.device), tables, rows)
 
     def _row_ids(self, n: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Paged attention ops: shape checks, then dispatch: Triton on CUDA; on CPU the C++ decode kernel
 (pagedserve_kernels/cpu, float32 or bfloat16) for one-token rows and for the rows of prompt runs of up to
 KERNEL_MAX_QUERY tokens (each query token as a row of its own, see `KernelRows`), the torch
-reference (causal SDPA over the gathered context) for longer runs.
+reference (causal SDPA over the gathered context) for longer runs (in the tile order, AMX, only those that are a
+whole prompt: `Backend.prompt_chunks`).
 
 Cache layout, one tensor per layer and per K/V:
 
@@ -61,13 +62,17 @@ class Backend:
     kernel: object | None = None   # the C++ module (pagedserve_kernels/cpu) when it serves this device and dtype
     sdpa_lanes: int = 0            # > 0: the kernel's bfloat16 rows in torch's SDPA order (torch_sdpa_lanes)
     mkl_order: bool = False        # and their two products in MKL's order (ops/sdpa_order.py)
+    # and a prompt's runs of any length in the kernel where a run is not the whole prompt (kernel_rows' `chunks`):
+    # in the tile order (AMX) the kernel's rows are those of transformers' call at every prompt length
+    prompt_chunks: bool = False
 
     def describe(self) -> str:
         """The choice in words, for the start-up log."""
         if self.triton:
             return "triton"
         if self.kernel is not None:
-            return f"cpu kernel for decode rows and prompt runs of up to {KERNEL_MAX_QUERY} tokens, torch reference above"
+            return (f"cpu kernel for decode rows and prompt runs of up to {KERNEL_MAX_QUERY} tokens"
+                    + (" (and longer runs of part of a prompt)" if self.prompt_chunks else "") + ", torch reference above")
         if self.device_type != "cpu":
             why = "Triton turned off by PAGEDSERVE_TRITON=0"
         elif not cpu_kernels.enabled():
@@ -97,7 +102,7 @@ def choose(device: torch.device, dtype: torch.dtype, triton: bool | None = None)
     if lanes:
         from ops import sdpa_order
         mkl_order = sdpa_order.mkl_order_matches(kernel, lanes)
-    return Backend(device.type, dtype, triton, kernel, lanes, mkl_order)
+    return Backend(device.type, dtype, triton, kernel, lanes, mkl_order, mkl_order and kernel.sdpa_tile_order())
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -190,8 +195,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # the kernel, in one run or in chunks over several steps (each row follows the one SDPA call transformers
 # makes over the whole prompt), where SDPA over a chunk is a call transformers never makes; from 194
 # tokens on, a few rows past about a hundred keys differ from it (the order of torch's products over query
-# blocks of 32-64 rows there is not read yet). And up to here the kernel is the faster of the two on
-# SmolLM2's shapes (docs/performance.md, thirty-fourth session).
+# blocks of 32-64 rows there is not read yet; in the tile order, AMX, no row differs at any length). And up to
+# here the kernel is the faster of the two on SmolLM2's shapes (docs/performance.md, thirty-fourth session).
 KERNEL_MAX_QUERY = 192
 
 
@@ -214,15 +219,22 @@ class KernelRows:
 
 
 def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                max_query: int = KERNEL_MAX_QUERY, prompt_lens: torch.Tensor | None = None) -> KernelRows:
+                max_query: int = KERNEL_MAX_QUERY, prompt_lens: torch.Tensor | None = None,
+                chunks: bool = False) -> KernelRows:
     """`prompt_lens` (int32 [S], each sequence's prompt tokens), where the caller knows them: the call in
     which transformers computes each row follows from its position (a prompt's rows in one call over the
     prompt, every later token a call of its own), even when a prompt comes in chunks. Without, a
-    sequence's rows are one call over its length after the step, or a decode call for a run of one."""
+    sequence's rows are one call over its length after the step, or a decode call for a run of one.
+    Runs of more than `max_query` tokens are the reference's (`rest`: torch's SDPA over the run, which is
+    transformers' call where the run is a whole prompt), except with `chunks` (Backend.prompt_chunks) and
+    `prompt_lens` the runs that are not a whole prompt: those the kernel's too."""
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
     seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=starts.device), q_lens)
-    short = (q_lens <= max_query)[seq_of_token]
+    kernels = q_lens <= max_query
+    if chunks and prompt_lens is not None:
+        kernels = kernels | (q_lens != seq_lens.long()) | (seq_lens.long() != prompt_lens.long())
+    short = kernels[seq_of_token]
     token = torch.nonzero(short).squeeze(1)
     seq = seq_of_token.index_select(0, token)
     # token t of sequence s sits at position seq_lens[s] - (end of s - t): it sees that many + 1
@@ -232,8 +244,7 @@ def kernel_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     else:
         ends, qrows = transformers_calls(lens - 1, prompt_lens.long().index_select(0, seq))
     return KernelRows(token.contiguous(), block_tables.to(torch.int32).index_select(0, seq).contiguous(),
-                      lens.to(torch.int32).contiguous(), torch.nonzero(q_lens > max_query).squeeze(1).tolist(),
-                      ends, qrows)
+                      lens.to(torch.int32).contiguous(), torch.nonzero(~kernels).squeeze(1).tolist(), ends, qrows)
 
 
 def decode_rows(row_ids: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

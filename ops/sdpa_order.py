@@ -68,7 +68,8 @@ def prompt_runs(args: tuple, runs: tuple[int, ...], backend, max_query: int | No
     for run in runs:
         seq_lens = torch.tensor([done + run], dtype=torch.int32)
         starts = torch.tensor([0, run], dtype=torch.int32)
-        rows = kernel_rows(starts, seq_lens, tables, max_query or KERNEL_MAX_QUERY, prompt_lens=prompt_lens)
+        rows = kernel_rows(starts, seq_lens, tables, max_query or KERNEL_MAX_QUERY, prompt_lens=prompt_lens,
+                           chunks=backend.prompt_chunks)
         results.append((paged_attention(query[done:done + run].contiguous(), k_cache, v_cache, tables, seq_lens, starts,
                                         scale, run, kernel_rows=rows, backend=backend), rows))
         done += run

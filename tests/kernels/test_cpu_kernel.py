@@ -132,6 +132,24 @@ def test_bfloat16_prompt_rows_in_chunks_are_transformers_one_call_over_the_promp
         done += run
 
 
+@pytest.mark.parametrize("prompt, runs", [(300, (250, 50)), (700, (300, 400)), (400, (400,))])
+def test_long_runs_of_part_of_a_prompt_take_the_kernel_where_its_rows_are_transformers(kernel, prompt, runs):
+    # past KERNEL_MAX_QUERY, a run that is the whole prompt is torch's SDPA over it (transformers' own call); where
+    # the kernel follows transformers' calls at every prompt length (Backend.prompt_chunks: the tile order), a run
+    # of part of the prompt is the kernel's, whose rows are the whole prompt's call's (SDPA over the run alone
+    # sums a 250-token run's keys in other groups than a call over 300)
+    chosen = attention.choose(torch.device("cpu"), torch.bfloat16)
+    assert chosen.prompt_chunks == (chosen.mkl_order and kernel.sdpa_tile_order())
+    if not chosen.prompt_chunks:
+        pytest.skip("the kernel follows transformers' calls past KERNEL_MAX_QUERY tokens only in the tile order (AMX)")
+    args, expected = _sdpa_case(prompt, prompt, seed=prompt)
+    done = 0
+    for run, (got, rows) in zip(runs, sdpa_order.prompt_runs(args, runs, chosen)):
+        assert rows.rest == ([0] if run == prompt else [])
+        assert torch.equal(got, expected[done:done + run])
+        done += run
+
+
 def test_bfloat16_write_kv_copies_rows_bit_for_bit(kernel):
     from ops import reference
     gen = torch.Generator().manual_seed(4)
