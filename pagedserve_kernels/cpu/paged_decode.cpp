@@ -737,8 +737,8 @@ static_assert(kSdpaBlock % kTileGroup == 0, "a block of torch's keys holds whole
 // outweigh the packing (torch's own test, below, with transformers' KV heads as they are: enable_gqa). brgemm
 // sums the weighted values' keys (the call's keys, rounded up to even) in groups of the largest even divisor of
 // that count up to 32 (read from torch's cpublas::brgemm on an Intel Xeon with AMX: bench/mkl_order.py
-// --brgemm), each group in the tile order; MKL's groups of 32 otherwise. (q.k sums the head's dimensions: 32 for
-// the head sizes whose multiples of 32 both take.)
+// --brgemm), each group in the tile order; MKL's groups of 32 otherwise. (q.k sums a head's dimensions, in the
+// same groups of 32 for head sizes that are multiples of 32, as SmolLM2's 64; other sizes are not followed.)
 inline bool sdpa_packs(const Shape& sh, int64_t qsize, int64_t kvsize) {
   if (qsize < 64 || kvsize < 64) return false;
   const int64_t split = qsize >= 768 ? 256 : qsize >= 192 ? 64 : 32;   // torch's query rows per item
