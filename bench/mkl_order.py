@@ -139,18 +139,6 @@ def brgemm_group(k: int) -> int:
     return next(g for g in range(32, 0, -2) if even % g == 0)
 
 
-def grouped_tile_order(a: torch.Tensor, w: torch.Tensor, group: int) -> torch.Tensor:
-    """a [M, K] . w [K, N] in the tile order with groups of `group` inputs (tile_order_product's is 32)."""
-    a, w = a.float().t().contiguous(), w.float().contiguous()
-    total = torch.zeros(a.shape[1], w.shape[1])
-    for g in range(0, a.shape[0], group):
-        sums = [torch.zeros_like(total), torch.zeros_like(total)]
-        for i in range(g, min(g + group, a.shape[0])):
-            sums[(i - g) % 2] = sums[(i - g) % 2] + a[i, :, None] * w[i]
-        total = total + (sums[0] + sums[1])
-    return total
-
-
 def check_brgemm(seeds: int) -> None:
     product = torch_brgemm()
     if product is None:
@@ -164,8 +152,8 @@ def check_brgemm(seeds: int) -> None:
             a = torch.randn(8, k, generator=gen).to(torch.bfloat16)
             w = torch.randn(k, D, generator=gen).to(torch.bfloat16)
             got = product(a, w)
-            differ[0] += int((got != grouped_tile_order(a, w, brgemm_group(k))).sum())
-            differ[1] += int((got != grouped_tile_order(a, w, 32)).sum())
+            differ[0] += int((got != tile_order_product(a, w, brgemm_group(k))).sum())
+            differ[1] += int((got != tile_order_product(a, w)).sum())
             total += got.numel()
         print(f"  K {k:3d} ({brgemm_group(k):2d}): {differ[0]} / {differ[1]} of {total}")
 

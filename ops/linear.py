@@ -141,16 +141,17 @@ def onednn_tile_order(kernel) -> bool:
     return same
 
 
-def tile_order_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def tile_order_product(a: torch.Tensor, b: torch.Tensor, group: int = 32) -> torch.Tensor:
     """a [R, K] . b [K, N] of bfloat16 values in float32, added as AMX tiles add it (oneDNN's and MKL's bfloat16
-    GEMMs with them): per group of 32 inputs from the first, the even and the odd inputs' products in sums of
-    their own, added together, then to the running sum. Each product of two bfloat16 values is exact in float32,
-    so each step rounds as the hardware's does."""
+    GEMMs with them): per group of `group` (even) inputs from the first, the even and the odd inputs' products in
+    sums of their own, added together, then to the running sum. Each product of two bfloat16 values is exact in
+    float32, so each step rounds as the hardware's does. (oneDNN's brgemm takes groups of other sizes:
+    bench/mkl_order.py --brgemm.)"""
     a, b = a.float().t().contiguous(), b.float().contiguous()   # input i's column of a, and its row of b
     total = torch.zeros(a.shape[1], b.shape[1])
-    for g in range(0, a.shape[0], 32):
+    for g in range(0, a.shape[0], group):
         sums = [torch.zeros_like(total), torch.zeros_like(total)]
-        for i in range(g, min(g + 32, a.shape[0])):
+        for i in range(g, min(g + group, a.shape[0])):
             sums[i % 2] = sums[i % 2] + a[i, :, None] * b[i]
         total = total + (sums[0] + sums[1])
     return total
