@@ -7,11 +7,18 @@ process (no HTTP, no ZeroMQ), on the throughput bench's traces, with the server'
 
 Prints the time of the steps grouped by kind (steps that prefill, decode-only steps by batch size):
 which part of the trace a change to the forward pass can win back.
+
+    python bench/step_mix.py --dtype bfloat16 --contend 1,10   # beside a process busy 1 ms in every 10
+
+--contend runs a second process that takes the CPU in short bursts, as the served case's control plane and
+HTTP client do beside the data plane's threads: what such bursts cost the steps (a thread held up at a
+parallel call's join holds up the other too).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -33,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model", metavar="DIR", help="a model folder (or GGUF file) instead of the default model")
+    ap.add_argument("--contend", metavar="BUSY,PERIOD", help="a process busy BUSY ms in every PERIOD ms beside the run")
     args = ap.parse_args(argv)
 
     from control_plane.block_manager import BlockManager
@@ -57,6 +65,8 @@ def main(argv=None) -> int:
         sched.add(seqs[-1])
     by_id = {s.seq_id: s for s in seqs}
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])   # steps, seconds, tokens
+    rival = start_rival(args.contend) if args.contend else None
+    print(f"running {len(seqs)} requests", flush=True)   # (a profiler attached from here sees the steps alone)
     step, started = 0, time.perf_counter()
     while sched.has_work():
         t0 = time.perf_counter()
@@ -85,6 +95,9 @@ def main(argv=None) -> int:
         g[1] += took
         g[2] += len(result.sampled)
     wall = time.perf_counter() - started
+    if rival is not None:
+        rival.kill()
+        print(f"beside a process busy {args.contend.split(',')[0]} ms in every {args.contend.split(',')[1]} ms")
     produced = sum(r.output_len for r in trace)
     print(f"\n{step} steps, {wall:.1f} s, {produced / wall:.1f} output tok/s (in-process, no HTTP)")
     print(f"{'steps':<30} {'count':>6} {'seconds':>8} {'share':>6} {'ms/step':>8} {'tokens out':>10}")
@@ -92,6 +105,18 @@ def main(argv=None) -> int:
         n, secs, toks = groups[key]
         print(f"{key:<30} {n:>6} {secs:>8.2f} {100 * secs / wall:>5.1f}% {1e3 * secs / n:>8.1f} {toks:>10}")
     return 0
+
+
+def start_rival(spec: str) -> subprocess.Popen:
+    """A process that spins for `busy` ms, then sleeps out the rest of each `period` ms."""
+    busy, period = (float(v) / 1e3 for v in spec.split(","))
+    if not 0 < busy < period:
+        raise SystemExit("--contend BUSY,PERIOD: 0 < BUSY < PERIOD (milliseconds)")
+    code = ("import time\n"
+            "while True:\n"
+            f"    t = time.perf_counter()\n    while time.perf_counter() - t < {busy}: pass\n"
+            f"    time.sleep({period - busy})\n")
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
 if __name__ == "__main__":

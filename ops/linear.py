@@ -82,7 +82,7 @@ DOTS_CODES_MAX_ROWS = 5
 CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")
 # the bfloat16 kernels of more rows than the codes serve (RoutedLinear.wide_route names them), numbered from 1 as
 # CodedLayers takes them
-WIDE_KERNELS = ("bf16_linear", "bf16_dots_linear")
+WIDE_KERNELS = ("bf16_linear", "bf16_dots_linear", "amx_linear")
 # oneDNN's bfloat16 GEMM on AMX tiles sums a call of up to this many rows over all of K in one tile accumulator
 # (the tiles' order: `tile_order_product`), but a call of more in blocks of K chosen by the call's shape, whose
 # sums it adds afterwards: a row's bits then depend on its call's row count and outputs (measured on SmolLM2's
@@ -378,11 +378,11 @@ class RoutedLinear:
             wide = self.wide_route()
             if wide is not None:
                 name, tensor = wide
+                if name == "amx_linear":
+                    return self._tiles_product
                 if name == "bf16_dots_linear":   # (torch's order has no one-row chunks)
                     return lambda x, one_row=None, own=None: kernel.bf16_dots_linear(x, tensor)
                 return lambda x, one_row=None, own=None: kernel.bf16_linear(x, tensor, one_row)
-            if self.tiles is not None:
-                return self._tiles_product
             if self.packed is not None:
                 packed = self.packed
                 return lambda x, one_row=None, own=None: \
@@ -429,11 +429,15 @@ class RoutedLinear:
     def wide_route(self) -> tuple[str, torch.Tensor] | None:
         """Where a bfloat16 weight's call of more rows than its codes serve goes to one of the kernel's own
         products (one of WIDE_KERNELS, and the weight tensor it takes after x); else None (oneDNN's GEMM, or a
-        float32 weight). route() and the layers in one call (llama_forward.py) both take it from here."""
+        float32 weight). route() and the layers in one call (llama_forward.py) both take it from here; the AMX
+        tiles' route takes `amx_linear` for the rows of a step without long prompts (`own` None, the only steps
+        the layers' one call takes), and `_tiles_product` for the others."""
         if self.weight.dtype != torch.bfloat16 or self.kernel is None:
             return None
         if self.dots:
             return "bf16_dots_linear", self.weight
+        if self.tiles is not None:
+            return "amx_linear", self.tiles
         return ("bf16_linear", self.dot) if self.dot is not None else None
 
     def codes_route(self, rows: int) -> tuple[str, tuple] | None:

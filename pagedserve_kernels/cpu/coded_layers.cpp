@@ -2,9 +2,9 @@
 // float32 model's at every row count; a bfloat16 model's for the few rows its products read codes, and above
 // those where each product's route for more rows is one of this module's bfloat16 kernels.
 // data_plane/llama_forward.py calls the same kernels in the same order from Python, about ten calls a
-// layer; for one stream, those calls' own cost (Python, pybind11, building the arguments) is a visible
-// share of a token's time next to the kernels, and a loop here skips it. Same kernels, same arguments,
-// same order: the same bits.
+// layer; those calls' own cost (Python, pybind11, building the arguments) is a visible share of a step's
+// time next to the kernels, and while one thread runs it the others wait for the next kernel: a loop here
+// skips it. Same kernels, same arguments, same order: the same bits.
 #include "coded_layers.h"
 
 #include <utility>
@@ -16,6 +16,7 @@ at::Tensor coded_pairs_linear(at::Tensor x, at::Tensor codes, at::Tensor scales,
 at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scale_min);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t chunk);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
 at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
                         at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
@@ -52,7 +53,8 @@ CodedLayers::CodedLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> k
     for (int p = 0; p < 4; ++p) {
       const int64_t kind = kinds[12 * i + 3 * p], codes_rows = kinds[12 * i + 3 * p + 1], wide = kinds[12 * i + 3 * p + 2];
       TORCH_CHECK(kind == kCoded || kind == kPairs || kind == kDots, "CodedLayers: unknown product kind ", kind);
-      TORCH_CHECK(wide == kNoWide || wide == kBf16Dot || wide == kBf16Dots, "CodedLayers: unknown wide kind ", wide);
+      TORCH_CHECK(wide == kNoWide || wide == kBf16Dot || wide == kBf16Dots || wide == kAmxTiles,
+                  "CodedLayers: unknown wide kind ", wide);
       TORCH_CHECK(codes_rows >= 0 && (wide == kNoWide) == (t[4 * p + 3].numel() == 0),
                   "CodedLayers: a product's codes rows are counted from 0, and a wide kernel has its weight");
       layer.products[p] = {static_cast<Kind>(kind), t[4 * p], t[4 * p + 1], present(t[4 * p + 2]), codes_rows,
@@ -72,7 +74,14 @@ void CodedLayers::set_caches(std::vector<at::Tensor> caches) {
 at::Tensor CodedLayers::apply(const Product& w, const at::Tensor& x, const c10::optional<at::Tensor>& one_row) {
   if (x.size(0) > w.codes_rows) {
     TORCH_CHECK(w.wide != kNoWide, "CodedLayers: ", x.size(0), " rows, more than the codes serve and no kernel for more");
-    return w.wide == kBf16Dot ? bf16_linear(x, w.weight, one_row) : bf16_dots_linear(x, w.weight);
+    switch (w.wide) {
+      case kBf16Dot:
+        return bf16_linear(x, w.weight, one_row);
+      case kAmxTiles:   // (every row over all of K in one tile accumulator: a generated token's one-row bits)
+        return amx_linear(x, w.weight, 0);
+      default:
+        return bf16_dots_linear(x, w.weight);
+    }
   }
   switch (w.kind) {
     case kPairs:

@@ -339,7 +339,7 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
     # a model whose every product reads codes runs its layers in one call to the kernel module (CodedLayers):
     # the same kernels in the same order as the Python loop, so every logit the same bits. float32 at every
     # row count; bfloat16 up to the rows its products read codes, and above those where the kernel's own
-    # bfloat16 product is every product's route (not oneDNN's GEMM, as with AMX). The third case takes the
+    # bfloat16 product is every product's route (AVX512-BF16's, AMX tiles', not oneDNN's GEMM). The third case takes the
     # routes of a CPU with AVX2 alone (bf16_dots_codes_linear, bf16_dots_linear) on any CPU, as if oneDNN had
     # no bfloat16 GEMM for it
     kernel = _kernel_for(dtype, monkeypatch)
@@ -355,7 +355,8 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
     if dtype == "bfloat16" and kernel.has_coded_simd():
         wide = {lin.wide_route()[0] if lin.wide_route() else None for lin in one_call.lean.linears()}
         assert wide == ({"bf16_dots_linear"} if dots else
-                        {"bf16_linear"} if linear_ops.bf16_dot_kernel(kernel) else {None})
+                        {"bf16_linear"} if linear_ops.bf16_dot_kernel(kernel) else
+                        {"amx_linear"} if linear_ops.amx_tiles(kernel) else {None})
         assert one_call.lean.coded_rows == (sys.maxsize if wide != {None} else linear_ops.BF16_CODES_MAX_ROWS)
         kernels = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
         assert kernels == {"bf16_dots_codes_linear" if dots else "coded_pairs_linear"}
@@ -383,7 +384,8 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
         # the codes serve are oneDNN's: those steps took the Python loop
         every_count = one_call.lean.coded_rows == sys.maxsize
         assert max(calls) <= one_call.lean.coded_rows and (10 in calls) == every_count
-        assert every_count == (dtype == "float32" or linear_ops.bf16_dot_kernel(kernel) or dots)
+        assert every_count == (dtype == "float32" or linear_ops.bf16_dot_kernel(kernel) or dots
+                               or linear_ops.amx_tiles(kernel))
         # the first step's last layer ran past its attention for the two prompts it finished only (rows 5
         # and 9 of 10: the third prompt's chunk of 5 of 11 tokens samples nothing); decode steps keep all
         assert all(keep is None for rows, keep in zip(calls, kept) if rows == 3)
