@@ -1,6 +1,7 @@
 """Where the bfloat16 routes cross: every linear layer of SmolLM2's lean forward (120 products) at a
 given row count, through the kernel reading the GGUF codes, the AVX512-BF16 kernel (where the build
-has it) and oneDNN's packed GEMM. Where the runner keeps its few-row codes in the dot product's pair
+has it), oneDNN's packed GEMM, and with AMX the kernel's own tile product on the bfloat16 weights and on
+tiles expanded from the codes as it goes. Where the runner keeps its few-row codes in the dot product's pair
 order, a column shows the same products from the plain order (the codes' route before it). With
 --dtype float32: the codes, the few-row kernel and MKL's packed GEMM over the float32 weights. On a
 CPU with AVX2 alone, where every bfloat16 row count sums in the order of torch's own GEMM: that order
@@ -77,7 +78,13 @@ def main(argv=None) -> int:
         routes["AVX512-BF16"] = lambda i, x: kernel.bf16_linear(x, dot[i])
     if onednn is not None:
         routes["oneDNN"] = lambda i, x: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
-    many = 'AVX512-BF16' if layers[0].dot is not None else 'AMX tiles' if layers[0].tiles is not None else 'oneDNN'
+    if layers[0].tiles is not None:   # the kernel's own AMX tile product, on bf16_pack's copy and from the codes
+        routes["AMX tiles"] = lambda i, x: kernel.amx_linear(x, layers[i].tiles)
+        if all(lin.tile_codes for lin in layers):
+            routes["AMX from codes"] = lambda i, x: kernel.amx_codes_linear(
+                x, layers[i].codes.codes, layers[i].codes.scales, layers[i].codes.mins)
+    many = 'AVX512-BF16' if layers[0].dot is not None else 'oneDNN' if layers[0].tiles is None else \
+        'AMX tiles from the codes' if layers[0].tile_codes else 'AMX tiles'
     print(f"the runner's route for many rows: {many}")
     return _table(routes, layers, args.rows, dtype)
 

@@ -204,7 +204,7 @@ class LlamaForward:
             for (name, parts), rows, wide in zip(routes[4 * index:4 * index + 4], codes_rows[4 * index:4 * index + 4],
                                                  wides[4 * index:4 * index + 4]):
                 tensors += [part if part is not None else none for part in parts] + [none] * (3 - len(parts))
-                tensors.append(wide[1] if wide is not None else none)
+                tensors.append(wide[1] if wide is not None and wide[1] is not None else none)
                 kinds += [linear_ops.CODES_KERNELS.index(name), rows,
                           linear_ops.WIDE_KERNELS.index(wide[0]) + 1 if wide is not None else 0]
             tensors += [self.post_norms[index][0], self.norms[index + 1][0]]

@@ -19,7 +19,8 @@ bfloat16, by what the CPU has:
   batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
 - a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows, or
   BF16_DOT_CODES_MAX_ROWS where the AVX512-BF16 kernel takes more rows (a few rows are bound by reading
-  the weights; codes are a third of the bytes); with AVX512-BF16 in
+  the weights; codes are a third of the bytes), or BF16_TILE_CODES_MAX_ROWS where Q4_1 codes feed the AMX
+  tiles above them (`amx_codes_linear`, the tiles expanded from the codes as it goes); with AVX512-BF16 in
   oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order; with
   AMX tiles the order oneDNN's GEMM takes there, `onednn_tile_order`),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
@@ -73,6 +74,9 @@ BF16_CODES_MAX_ROWS = 4
 # the same where the many-row route is the AVX512-BF16 kernel (no AMX): the codes' dot product holds up to
 # 8 rows in registers, and reads a third of the bytes (every product of SmolLM2: bench/route_rows.py)
 BF16_DOT_CODES_MAX_ROWS = 8
+# the same where the codes feed AMX tiles (amx_codes_linear, RoutedLinear.tile_codes): the tiles are faster from
+# 3 rows on (bench/route_rows.py)
+BF16_TILE_CODES_MAX_ROWS = 2
 # AVX2 alone: bfloat16 weights that are GGUF codes, in the order of torch's own GEMM: up to this many rows
 # through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
 # expansion of every code costs more than reading the weight saves (docs/performance.md)
@@ -82,7 +86,7 @@ DOTS_CODES_MAX_ROWS = 5
 CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")
 # the bfloat16 kernels of more rows than the codes serve (RoutedLinear.wide_route names them), numbered from 1 as
 # CodedLayers takes them
-WIDE_KERNELS = ("bf16_linear", "bf16_dots_linear", "amx_linear")
+WIDE_KERNELS = ("bf16_linear", "bf16_dots_linear", "amx_linear", "amx_codes_linear")
 # oneDNN's bfloat16 GEMM on AMX tiles sums a call of up to this many rows over all of K in one tile accumulator
 # (the tiles' order: `tile_order_product`), but a call of more in blocks of K chosen by the call's shape, whose
 # sums it adds afterwards: a row's bits then depend on its call's row count and outputs (measured on SmolLM2's
@@ -315,6 +319,12 @@ class RoutedLinear:
                                                     or self.tiles is not None) \
                 and self.kernel.has_bf16_dot():
             self.codes = self.codes.paired_order()
+        # with AMX tiles, Q4_1 codes feed them as they go (amx_codes_linear: a few dozen rows are bound by reading
+        # the weight, and the codes are a third of its bytes) where their expansion is the tiles' weight, bit for bit
+        self.tile_codes = self.tiles is not None and self.codes is not None and self.codes.kind == "q4_1" \
+            and self.codes.paired and self.kernel.has_amx_codes_linear() and torch.equal(
+                self.kernel.amx_codes_expand(self.codes.codes, self.codes.scales, self.codes.mins).view(torch.int16),
+                self.tiles.view(torch.int16))
         self.skinny_max_rows = skinny_max_rows
         # the route of each row count, chosen on its first call: routes differ only up to a few rows,
         # so every count from `rows_cap` on shares one entry
@@ -337,6 +347,8 @@ class RoutedLinear:
         kernel's layout, or oneDNN's packed GEMM); every count where it has neither."""
         if self.dot is not None:
             return BF16_DOT_CODES_MAX_ROWS
+        if self.tile_codes:
+            return BF16_TILE_CODES_MAX_ROWS
         return BF16_CODES_MAX_ROWS if self.packed is not None or self.tiles is not None else sys.maxsize
 
     @property
@@ -378,7 +390,7 @@ class RoutedLinear:
             wide = self.wide_route()
             if wide is not None:
                 name, tensor = wide
-                if name == "amx_linear":
+                if name in ("amx_linear", "amx_codes_linear"):
                     return self._tiles_product
                 if name == "bf16_dots_linear":   # (torch's order has no one-row chunks)
                     return lambda x, one_row=None, own=None: kernel.bf16_dots_linear(x, tensor)
@@ -403,10 +415,12 @@ class RoutedLinear:
         those in the order of oneDNN's call of as many rows as transformers' (`onednn_chunk`), by the tiles where
         that order is chunks of the inputs, else from `F.linear`'s call itself; written into one output."""
         kernel, tiles, weight = self.kernel, self.tiles, self.weight
-        if own is None:
-            return kernel.amx_linear(x, tiles)
-        plans = [own.plan(kernel, hi - lo, x.shape[1]) for lo, hi in self.parts]
-        if all(chunks is None and not left for chunks, left in plans):
+        if own is not None:
+            plans = [own.plan(kernel, hi - lo, x.shape[1]) for lo, hi in self.parts]
+        if own is None or all(chunks is None and not left for chunks, left in plans):
+            if self.tile_codes:
+                codes = self.codes
+                return kernel.amx_codes_linear(x, codes.codes, codes.scales, codes.mins)
             return kernel.amx_linear(x, tiles)
         y = x.new_empty((x.shape[0], weight.shape[0]))
         # parts of one shape have one plan (a layer's gate and up, its k and v): one call for neighbours
@@ -431,13 +445,14 @@ class RoutedLinear:
         products (one of WIDE_KERNELS, and the weight tensor it takes after x); else None (oneDNN's GEMM, or a
         float32 weight). route() and the layers in one call (llama_forward.py) both take it from here; the AMX
         tiles' route takes `amx_linear` for the rows of a step without long prompts (`own` None, the only steps
-        the layers' one call takes), and `_tiles_product` for the others."""
+        the layers' one call takes), or `amx_codes_linear` on the codes where they feed the tiles, and
+        `_tiles_product` for the others."""
         if self.weight.dtype != torch.bfloat16 or self.kernel is None:
             return None
         if self.dots:
             return "bf16_dots_linear", self.weight
-        if self.tiles is not None:
-            return "amx_linear", self.tiles
+        if self.tiles is not None:   # (the codes' tiles take the product's codes: no tensor of their own)
+            return ("amx_codes_linear", None) if self.tile_codes else ("amx_linear", self.tiles)
         return ("bf16_linear", self.dot) if self.dot is not None else None
 
     def codes_route(self, rows: int) -> tuple[str, tuple] | None:

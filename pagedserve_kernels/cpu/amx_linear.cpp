@@ -10,10 +10,17 @@
 // 32 kb, the 16 input pairs times 16 outputs times 2 are 1 KiB at [g, 16 kb], one B tile of 16 rows of 64 bytes.
 // A tiles are read from x as it is (rows of 32 inputs, the row stride K). Eight tiles: four accumulators (two
 // blocks of 16 rows times two groups of 16 outputs), two of x, two of W.
+//
+// amx_codes_linear takes W from its GGUF Q4_1 codes in the pair order (ops/quantized.Codes.paired_order) instead:
+// a thread expands a pair of groups' codes into their B tiles in a buffer (in L2), then runs every block of rows
+// over it as above. A step of a few dozen rows is bound by reading W, and the codes are 5 bits a weight against
+// 16; the expansion runs on the vector units beside the tiles. Its tiles are bf16_pack's of the bfloat16 weight
+// the codes round to (ops/linear.py checks that at load, amx_codes_expand), so are the outputs.
 #include "aten.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -24,6 +31,9 @@
 #define PAGEDSERVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__AVX512BF16__)
+#define PAGEDSERVE_AMX_CODES 1   // (the expansion rounds with AVX512-BF16's conversion)
+#endif
 #endif
 
 namespace {
@@ -75,13 +85,13 @@ void store_rows(const float (*sums)[kGroup], bf16* y0, int64_t N, int rows) {
 // Blocks of ra (and rb, where TwoM) rows from row m0, times output groups g0 (and g0 + 1, where TwoN), into y
 // (row stride N). With `chunk` < K, the inputs in chunks of that many, each summed from zero in the tiles, the
 // chunks' sums added in float32 in order (oneDNN's order for calls of more rows, where the call's shape makes it so)
+// (w0: group g0's B tiles, those of g0 + 1 right after them)
 template <bool TwoM, bool TwoN>
-void block(const bf16* x, const bf16* w, bf16* y, int64_t m0, int ra, int rb, int64_t g0, int64_t K, int64_t N,
+void block(const bf16* x, const bf16* w0, bf16* y, int64_t m0, int ra, int rb, int64_t g0, int64_t K, int64_t N,
            int64_t chunk) {
   const int64_t pairs = K / 2, xstride = K * sizeof(bf16);
   const bf16* xa = x + m0 * K;
   const bf16* xb = xa + kRows * K;
-  const bf16* w0 = w + g0 * pairs * 2 * kGroup;
   const bf16* w1 = w0 + pairs * 2 * kGroup;
   bf16* ya = y + m0 * N + g0 * kGroup;
   bf16* const dest[4] = {ya, ya + kGroup, ya + kRows * N, ya + kRows * N + kGroup};
@@ -131,7 +141,127 @@ void block(const bf16* x, const bf16* w, bf16* y, int64_t m0, int ra, int rb, in
     }
   }
 }
+
+// Blocks of up to 32 rows, runs (start, chunk) of rows with their chunk ((M, 0) ends them), times output groups
+// g0 and g0 + 1 (where two_n) from w0, their B tiles
+void rows_over(const bf16* x, const bf16* w0, bf16* y, int64_t g0, bool two_n, int64_t K, int64_t N,
+               const std::vector<std::pair<int64_t, int64_t>>& runs, int& configured_a, int& configured_b) {
+  for (size_t run = 0; run + 1 < runs.size(); ++run) {
+    const int64_t end = runs[run + 1].first, c = runs[run].second;
+    for (int64_t m0 = runs[run].first; m0 < end; m0 += 2 * kRows) {
+      const int ra = static_cast<int>(std::min(kRows, end - m0));
+      const int rb = static_cast<int>(std::max<int64_t>(0, std::min(kRows, end - m0 - kRows)));
+      if (ra != configured_a || rb != configured_b) {
+        configure(ra, rb);
+        configured_a = ra, configured_b = rb;
+      }
+      if (rb > 0 && two_n) block<true, true>(x, w0, y, m0, ra, rb, g0, K, N, c);
+      else if (rb > 0) block<true, false>(x, w0, y, m0, ra, rb, g0, K, N, c);
+      else if (two_n) block<false, true>(x, w0, y, m0, ra, rb, g0, K, N, c);
+      else block<false, false>(x, w0, y, m0, ra, rb, g0, K, N, c);
+    }
+  }
+}
 #endif
+
+#ifdef PAGEDSERVE_AMX_CODES
+// A group's Q4_1 codes in the pair order (16 bytes per input pair j: byte 2r + e holds the code of (row r, input
+// 2j + e) in its low nibble and of row 8 + r in its high one) and its float16 scales and minimums per 32 inputs
+struct Q4Group {
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const uint16_t* mins;
+};
+
+// How far ahead the expansion asks for the codes: the hardware's streamer alone left it waiting on them
+constexpr int64_t kCodesAhead = 2048;
+
+// Inputs 32 s .. 32 s + 31 of group q expanded into their B tile at dst (16 pairs x 16 rows x 2 bfloat16): scale *
+// code + min in float32 (the product is exact, so one FMA rounds as the separate operations do), rounded to
+// bfloat16 (nearest, ties to even). The low nibbles of a pair's line are its tile row's first 16 values (rows 0-7,
+// two inputs each), the high ones the last 16.
+inline void expand_step(const Q4Group& q, int64_t s, bf16* dst) {
+  const __m512i low_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i high_rows = _mm512_add_epi32(low_rows, _mm512_set1_epi32(8));
+  const __m512i nibble = _mm512_set1_epi32(15);
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.scales + kGroup * s)));
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.mins + kGroup * s)));
+  const __m512 d_low = _mm512_permutexvar_ps(low_rows, d), d_high = _mm512_permutexvar_ps(high_rows, d);
+  const __m512 m_low = _mm512_permutexvar_ps(low_rows, m), m_high = _mm512_permutexvar_ps(high_rows, m);
+  const uint8_t* line = q.codes + kGroup * kInputs / 2 * s;
+  for (int64_t b = 0; b < kInputs / 2 * kGroup; b += 64) __builtin_prefetch(line + kCodesAhead + b, 0, 3);
+  __builtin_prefetch(q.scales + kGroup * s + kCodesAhead / 8, 0, 3);
+  __builtin_prefetch(q.mins + kGroup * s + kCodesAhead / 8, 0, 3);
+  for (int64_t j = 0; j < kInputs / 2; ++j) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + kGroup * j)));
+    const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, nibble)), d_low, m_low);
+    const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d_high, m_high);
+    _mm512_store_si512(dst + 2 * kGroup * j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+  }
+}
+
+// Group q's B tiles for all K inputs at dst ([K / 2][16][2])
+void expand_q4_1(const Q4Group& q, bf16* dst, int64_t K) {
+  for (int64_t s = 0; s < K / kInputs; ++s) expand_step(q, s, dst + kInputs * kGroup * s);
+}
+
+// block<TwoM, TwoN> over all of K for groups q[0] (and q[1]) from their codes, each step's B tiles expanded just
+// before the tiles take them, into `tiles` (two pairs of B tiles in turn: 4 KiB, in L1): for up to 32 rows, whose
+// blocks are all one pass
+template <bool TwoM, bool TwoN>
+void codes_block(const bf16* x, const Q4Group* q, bf16* y, int ra, int rb, int64_t g0, int64_t K, int64_t N,
+                 bf16* tiles) {
+  const int64_t xstride = K * sizeof(bf16);
+  const bf16* xb = x + kRows * K;
+  bf16* ya = y + g0 * kGroup;
+  _tile_zero(0);
+  if (TwoN) _tile_zero(1);
+  if (TwoM) _tile_zero(2);
+  if (TwoM && TwoN) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kInputs) {
+    const int64_t s = k / kInputs;
+    bf16* b0 = tiles + (s % 2) * 2 * kInputs * kGroup;
+    bf16* b1 = b0 + kInputs * kGroup;
+    expand_step(q[0], s, b0);
+    if (TwoN) expand_step(q[1], s, b1);
+    _tile_loadd(4, x + k, xstride);
+    _tile_loadd(6, b0, 64);
+    if (TwoN) _tile_loadd(7, b1, 64);
+    if (TwoM) _tile_loadd(5, xb + k, xstride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TwoN) _tile_dpbf16ps(1, 4, 7);
+    if (TwoM) _tile_dpbf16ps(2, 5, 6);
+    if (TwoM && TwoN) _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float part[kRows][kGroup];
+  constexpr int64_t stride = kGroup * sizeof(float);
+  _tile_stored(0, part, stride);
+  store_rows(part, ya, N, ra);
+  if (TwoN) {
+    _tile_stored(1, part, stride);
+    store_rows(part, ya + kGroup, N, ra);
+  }
+  if (TwoM) {
+    _tile_stored(2, part, stride);
+    store_rows(part, ya + kRows * N, N, rb);
+  }
+  if (TwoM && TwoN) {
+    _tile_stored(3, part, stride);
+    store_rows(part, ya + kRows * N + kGroup, N, rb);
+  }
+}
+#endif
+
+// checks amx_codes_linear's codes: Q4_1 in the pair order, for K inputs
+void check_codes(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t K,
+                 const char* what) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == 16 &&
+              codes.size(1) * 2 == K && K % 32 == 0,
+              what, ": Q4_1 codes uint8 [N / 16, K / 2, 16] in the pair order, K a multiple of 32");
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->is_contiguous() && t->size(0) == codes.size(0) &&
+                t->size(1) * 32 == K && t->size(2) == 16, what, ": scales and minimums float16 [N / 16, K / 32, 16]");
+}
 
 }  // namespace
 
@@ -184,25 +314,8 @@ void amx_linear_out(at::Tensor x, at::Tensor packed, at::Tensor y, int64_t chunk
   // the same order whichever thread takes it.
   at::parallel_for(0, pairs_of_groups, 1, [&](int64_t p0, int64_t p1) {
     int configured_a = -1, configured_b = -1;
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t g0 = 2 * p;
-      const bool two_n = g0 + 1 < groups;
-      for (size_t run = 0; run + 1 < runs.size(); ++run) {
-        const int64_t end = runs[run + 1].first, c = runs[run].second;
-        for (int64_t m0 = runs[run].first; m0 < end; m0 += 2 * kRows) {
-          const int ra = static_cast<int>(std::min(kRows, end - m0));
-          const int rb = static_cast<int>(std::max<int64_t>(0, std::min(kRows, end - m0 - kRows)));
-          if (ra != configured_a || rb != configured_b) {
-            configure(ra, rb);
-            configured_a = ra, configured_b = rb;
-          }
-          if (rb > 0 && two_n) block<true, true>(xp, wp, yp, m0, ra, rb, g0, K, ldy, c);
-          else if (rb > 0) block<true, false>(xp, wp, yp, m0, ra, rb, g0, K, ldy, c);
-          else if (two_n) block<false, true>(xp, wp, yp, m0, ra, rb, g0, K, ldy, c);
-          else block<false, false>(xp, wp, yp, m0, ra, rb, g0, K, ldy, c);
-        }
-      }
-    }
+    for (int64_t p = p0; p < p1; ++p)
+      rows_over(xp, wp + 2 * p * K * kGroup, yp, 2 * p, 2 * p + 1 < groups, K, ldy, runs, configured_a, configured_b);
     if (configured_a >= 0) _tile_release();
   });
 #endif
@@ -212,5 +325,86 @@ at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t chunk) {
   TORCH_CHECK(packed.dim() == 4, "amx_linear: packed W [N / 16, K / 2, 16, 2] from bf16_pack");
   auto y = at::empty({x.size(0), packed.size(0) * 16}, x.options());
   amx_linear_out(x, packed, y, chunk, c10::nullopt);
+  return y;
+}
+
+bool has_amx_codes_linear() {
+#ifdef PAGEDSERVE_AMX_CODES
+  return tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_codes_expand(at::Tensor codes, at::Tensor scales, at::Tensor mins) {
+  TORCH_CHECK(has_amx_codes_linear(), "amx_codes_expand: this build or process has no AMX tiles and AVX512-BF16");
+  const int64_t K = codes.dim() == 3 ? codes.size(1) * 2 : 0;
+  check_codes(codes, scales, mins, K, "amx_codes_expand");
+  const int64_t groups = codes.size(0);
+  auto w = at::empty({groups, K / 2, 16, 2}, codes.options().dtype(at::kBFloat16));
+#ifdef PAGEDSERVE_AMX_CODES
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  auto* wp = reinterpret_cast<bf16*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      expand_q4_1({cp + g * K / 2 * 16, sp + g * K / 32 * 16, mp + g * K / 32 * 16}, wp + g * K * 16, K);
+  });
+#endif
+  return w;
+}
+
+at::Tensor amx_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins) {
+  TORCH_CHECK(has_amx_codes_linear(), "amx_codes_linear: this build or process has no AMX tiles and AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "amx_codes_linear: x [M, K] bfloat16, contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_codes(codes, scales, mins, K, "amx_codes_linear");
+  const int64_t groups = codes.size(0), N = groups * 16;
+  auto y = at::empty({M, N}, x.options());
+#ifdef PAGEDSERVE_AMX_CODES
+  if (M == 0 || N == 0) return y;
+  const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  const auto* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+  const std::vector<std::pair<int64_t, int64_t>> runs = {{0, K}, {M, 0}};
+  const int64_t pairs_of_groups = (groups + 1) / 2;
+  // as amx_linear_out: the threads share the output groups two at a time. Up to 32 rows (one block of rows), each
+  // step's B tiles are expanded as the tiles take them; more rows, each pair's B tiles are expanded once into the
+  // thread's buffer (in L2) and every block of rows runs over them there
+  const bool one_pass = M <= 2 * kRows;
+  at::parallel_for(0, pairs_of_groups, 1, [&](int64_t p0, int64_t p1) {
+    const size_t bytes = (one_pass ? 4 * kInputs : 2 * K) * kGroup * sizeof(bf16);
+    bf16* tiles = static_cast<bf16*>(std::aligned_alloc(64, bytes));
+    TORCH_CHECK(tiles != nullptr, "amx_codes_linear: no memory for the tiles' buffer");
+    int configured_a = -1, configured_b = -1;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t g0 = 2 * p;
+      const bool two_n = g0 + 1 < groups;
+      Q4Group q[2];
+      for (int64_t i = 0; i < (two_n ? 2 : 1); ++i)
+        q[i] = {cp + (g0 + i) * K / 2 * 16, sp + (g0 + i) * K / 32 * 16, mp + (g0 + i) * K / 32 * 16};
+      if (one_pass) {
+        const int ra = static_cast<int>(std::min(kRows, M)), rb = static_cast<int>(std::max<int64_t>(0, M - kRows));
+        if (ra != configured_a || rb != configured_b) {
+          configure(ra, rb);
+          configured_a = ra, configured_b = rb;
+        }
+        if (rb > 0 && two_n) codes_block<true, true>(xp, q, yp, ra, rb, g0, K, N, tiles);
+        else if (rb > 0) codes_block<true, false>(xp, q, yp, ra, rb, g0, K, N, tiles);
+        else if (two_n) codes_block<false, true>(xp, q, yp, ra, rb, g0, K, N, tiles);
+        else codes_block<false, false>(xp, q, yp, ra, rb, g0, K, N, tiles);
+        continue;
+      }
+      for (int64_t i = 0; i < (two_n ? 2 : 1); ++i) expand_q4_1(q[i], tiles + i * K * kGroup, K);
+      rows_over(xp, tiles, yp, g0, two_n, K, N, runs, configured_a, configured_b);
+    }
+    if (configured_a >= 0) _tile_release();
+    std::free(tiles);
+  });
+#endif
   return y;
 }

@@ -34,6 +34,9 @@ at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
 bool has_amx_linear();
+bool has_amx_codes_linear();
+at::Tensor amx_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins);
+at::Tensor amx_codes_expand(at::Tensor codes, at::Tensor scales, at::Tensor mins);
 at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t chunk);
 void amx_linear_out(at::Tensor x, at::Tensor packed, at::Tensor y, int64_t chunk,
                     c10::optional<at::Tensor> row_chunks);
@@ -101,6 +104,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_out", &amx_linear_out, "amx_linear into out [M, N], whose rows are contiguous (a slice of "
         "columns too); row_chunks (int32 [M]): each row's chunk, 0 for `chunk`'s", py::arg("x"), py::arg("packed"),
         py::arg("out"), py::arg("chunk") = 0, py::arg("row_chunks") = py::none());
+  m.def("has_amx_codes_linear", &has_amx_codes_linear,
+        "whether this build and process have amx_codes_linear (AMX tiles and AVX512-BF16)");
+  m.def("amx_codes_linear", &amx_codes_linear, "x [M, K] . W^T in bfloat16 on AMX tiles, W from its Q4_1 codes in the "
+        "pair order (codes, scales, minimums), each rounded to bfloat16: amx_linear's sums on amx_codes_expand's tiles");
+  m.def("amx_codes_expand", &amx_codes_expand, "the B tiles (bf16_pack's layout) of Q4_1 codes in the pair order");
   m.def("bf16_pack", &bf16_pack, "W [N, K] bfloat16 laid out for bf16_linear: [N / 16, K / 2, 16, 2]");
   m.def("bf16_linear", &bf16_linear, "x [M, K] . W^T in bfloat16, W from bf16_pack (float32 sums, rounded once)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("one_row") = pybind11::none());

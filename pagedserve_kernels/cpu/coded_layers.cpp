@@ -17,6 +17,7 @@ at::Tensor bf16_dots_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor sca
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> one_row);
 at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w);
 at::Tensor amx_linear(at::Tensor x, at::Tensor packed, int64_t chunk);
+at::Tensor amx_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins);
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> x, at::Tensor w, double eps);
 at::Tensor rotary_store(at::Tensor qkv, int64_t heads, int64_t kv_heads, at::Tensor cos, at::Tensor sin,
                         at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
@@ -53,10 +54,13 @@ CodedLayers::CodedLayers(std::vector<at::Tensor> tensors, std::vector<int64_t> k
     for (int p = 0; p < 4; ++p) {
       const int64_t kind = kinds[12 * i + 3 * p], codes_rows = kinds[12 * i + 3 * p + 1], wide = kinds[12 * i + 3 * p + 2];
       TORCH_CHECK(kind == kCoded || kind == kPairs || kind == kDots, "CodedLayers: unknown product kind ", kind);
-      TORCH_CHECK(wide == kNoWide || wide == kBf16Dot || wide == kBf16Dots || wide == kAmxTiles,
+      TORCH_CHECK(wide == kNoWide || wide == kBf16Dot || wide == kBf16Dots || wide == kAmxTiles || wide == kAmxCodes,
                   "CodedLayers: unknown wide kind ", wide);
-      TORCH_CHECK(codes_rows >= 0 && (wide == kNoWide) == (t[4 * p + 3].numel() == 0),
-                  "CodedLayers: a product's codes rows are counted from 0, and a wide kernel has its weight");
+      TORCH_CHECK(codes_rows >= 0 && (wide == kNoWide || wide == kAmxCodes) == (t[4 * p + 3].numel() == 0),
+                  "CodedLayers: a product's codes rows are counted from 0, and a wide kernel has its weight (but the "
+                  "codes' tiles, which read the product's codes)");
+      TORCH_CHECK(wide != kAmxCodes || (kind == kPairs && t[4 * p + 2].numel() > 0),
+                  "CodedLayers: the codes' tiles read Q4_1 codes in the pair order");
       layer.products[p] = {static_cast<Kind>(kind), t[4 * p], t[4 * p + 1], present(t[4 * p + 2]), codes_rows,
                            static_cast<Wide>(wide), t[4 * p + 3]};
     }
@@ -79,6 +83,8 @@ at::Tensor CodedLayers::apply(const Product& w, const at::Tensor& x, const c10::
         return bf16_linear(x, w.weight, one_row);
       case kAmxTiles:   // (every row over all of K in one tile accumulator: a generated token's one-row bits)
         return amx_linear(x, w.weight, 0);
+      case kAmxCodes:   // (the same, the tiles expanded from the codes)
+        return amx_codes_linear(x, w.codes, w.scales, *w.mins);
       default:
         return bf16_dots_linear(x, w.weight);
     }

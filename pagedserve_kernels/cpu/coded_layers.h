@@ -11,9 +11,9 @@ class CodedLayers {
   // the kernels that read codes, numbered as ops/linear.CODES_KERNELS names them
   enum Kind : int64_t { kCoded = 0, kPairs = 1, kDots = 2 };
   // the kernels of a bfloat16 product above the rows its codes serve: none, bf16_linear on bf16_pack's
-  // layout, bf16_dots_linear on the weight itself, amx_linear on bf16_pack's layout (the routes of
-  // ops/linear.RoutedLinear.route)
-  enum Wide : int64_t { kNoWide = 0, kBf16Dot = 1, kBf16Dots = 2, kAmxTiles = 3 };
+  // layout, bf16_dots_linear on the weight itself, amx_linear on bf16_pack's layout, amx_codes_linear on the
+  // product's own Q4_1 codes (pair order; no weight of its own) (the routes of ops/linear.RoutedLinear.route)
+  enum Wide : int64_t { kNoWide = 0, kBf16Dot = 1, kBf16Dots = 2, kAmxTiles = 3, kAmxCodes = 4 };
 
   // tensors: per layer, four per product of qkv, o, gate_up and down (for kCoded and kPairs the codes, scales
   // and minimums, empty for Q8_0; for kDots the codes, scale_min and an empty one; then the wide kernel's

@@ -123,3 +123,28 @@ def test_a_stacked_weights_prompt_rows_take_each_parts_call_and_the_rest_their_o
         assert torch.equal(routed(x[:4]), F.linear(x[:4], w))
     with pytest.raises(ValueError, match="do not add up"):
         linear.RoutedLinear(w, None, kernel, packed=True, codes=None, parts=(576, 192))
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 208)])   # 208: an odd group of 16 outputs
+def test_the_tiles_from_q4_1_codes_are_the_bfloat16_weights_and_give_their_bits(kernel, shape):
+    # amx_codes_linear expands a bfloat16 weight's Q4_1 codes (pair order) into the tiles as it goes: its tiles
+    # are bf16_pack's of the weight the codes round to, and every row count's outputs amx_linear's on those
+    if not kernel.has_amx_codes_linear():
+        assert not (kernel.has_amx_linear() and "avx512_bf16" in cpu_flags())
+        pytest.skip("no AMX tiles and AVX512-BF16 on this CPU")
+    from ops import quantized
+    from tests.helpers import q4_1_form
+    inputs, outputs = shape
+    gen = torch.Generator().manual_seed(inputs + 3 * outputs)
+    wide = q4_1_form(torch.randn(outputs, inputs, generator=gen))
+    codes, narrow = quantized.find_codes(wide).paired_order(), wide.to(torch.bfloat16)
+    tiles = kernel.bf16_pack(narrow)
+    assert torch.equal(kernel.amx_codes_expand(codes.codes, codes.scales, codes.mins).view(torch.int16),
+                       tiles.view(torch.int16))
+    x = torch.randn(70, inputs, generator=gen).to(torch.bfloat16)
+    for rows in (1, 2, 5, 16, 17, 32, 33, 48, 70):   # up to 32 rows one pass, expanded as it goes; more from a buffer
+        got = kernel.amx_codes_linear(x[:rows], codes.codes, codes.scales, codes.mins)
+        assert got.shape == (rows, outputs)
+        assert torch.equal(got.view(torch.int16), kernel.amx_linear(x[:rows], tiles).view(torch.int16))
+    with pytest.raises(RuntimeError, match="pair order"):
+        kernel.amx_codes_linear(x, codes.codes[:, :-1], codes.scales, codes.mins)

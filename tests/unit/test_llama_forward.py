@@ -356,7 +356,8 @@ def test_layers_in_one_call_give_the_python_loops_bits(dtype, monkeypatch):
         wide = {lin.wide_route()[0] if lin.wide_route() else None for lin in one_call.lean.linears()}
         assert wide == ({"bf16_dots_linear"} if dots else
                         {"bf16_linear"} if linear_ops.bf16_dot_kernel(kernel) else
-                        {"amx_linear"} if linear_ops.amx_tiles(kernel) else {None})
+                        {"amx_codes_linear" if kernel.has_amx_codes_linear() else "amx_linear"}
+                        if linear_ops.amx_tiles(kernel) else {None})
         assert one_call.lean.coded_rows == (sys.maxsize if wide != {None} else linear_ops.BF16_CODES_MAX_ROWS)
         kernels = {lin.codes_route(1)[0] for lin in one_call.lean.linears()}
         assert kernels == {"bf16_dots_codes_linear" if dots else "coded_pairs_linear"}
