@@ -19,8 +19,8 @@ bfloat16, by what the CPU has:
   batch; oneDNN picks AMX tiles where the CPU has them, or a float32 emulation.
 - a weight that is GGUF codes rounded to bfloat16 reads the codes for up to BF16_CODES_MAX_ROWS rows, or
   BF16_DOT_CODES_MAX_ROWS where the AVX512-BF16 kernel takes more rows (a few rows are bound by reading
-  the weights; codes are a third of the bytes), or BF16_TILE_CODES_MAX_ROWS where Q4_1 codes feed the AMX
-  tiles above them (`amx_codes_linear`, the tiles expanded from the codes as it goes); with AVX512-BF16 in
+  the weights; codes are a third of the bytes; above them with AMX tiles, Q4_1 codes feed the tiles,
+  `amx_codes_linear`, expanded as it goes); with AVX512-BF16 in
   oneDNN's order as well (the codes then laid out in the dot product's pair order, Codes.paired_order; with
   AMX tiles the order oneDNN's GEMM takes there, `onednn_tile_order`),
   else as an FMA chain over k (one bfloat16 step off `F.linear` at times).
@@ -74,9 +74,6 @@ BF16_CODES_MAX_ROWS = 4
 # the same where the many-row route is the AVX512-BF16 kernel (no AMX): the codes' dot product holds up to
 # 8 rows in registers, and reads a third of the bytes (every product of SmolLM2: bench/route_rows.py)
 BF16_DOT_CODES_MAX_ROWS = 8
-# the same where the codes feed AMX tiles (amx_codes_linear, RoutedLinear.tile_codes): the tiles are faster from
-# 3 rows on (bench/route_rows.py)
-BF16_TILE_CODES_MAX_ROWS = 2
 # AVX2 alone: bfloat16 weights that are GGUF codes, in the order of torch's own GEMM: up to this many rows
 # through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
 # expansion of every code costs more than reading the weight saves (docs/performance.md)
@@ -347,8 +344,6 @@ class RoutedLinear:
         kernel's layout, or oneDNN's packed GEMM); every count where it has neither."""
         if self.dot is not None:
             return BF16_DOT_CODES_MAX_ROWS
-        if self.tile_codes:
-            return BF16_TILE_CODES_MAX_ROWS
         return BF16_CODES_MAX_ROWS if self.packed is not None or self.tiles is not None else sys.maxsize
 
     @property

@@ -214,7 +214,6 @@ def test_bfloat16_routes_codes_for_few_rows_and_a_gemm_for_many(kernel, monkeypa
     with torch.no_grad():
         cap = routed.codes_max_rows
         assert cap == (linear.BF16_DOT_CODES_MAX_ROWS if routed.dot is not None else
-                       linear.BF16_TILE_CODES_MAX_ROWS if routed.tile_codes else
                        linear.BF16_CODES_MAX_ROWS if many else sys.maxsize)
         # where the codes feed AMX tiles they do so for their Q4_1 codes whose expansion is the tiles' weight
         assert routed.tile_codes == (routed.tiles is not None and kernel.has_amx_codes_linear())
