@@ -12,9 +12,10 @@
 // blocks of 16 rows times two groups of 16 outputs), two of x, two of W.
 //
 // amx_codes_linear takes W from its GGUF Q4_1 codes in the pair order (ops/quantized.Codes.paired_order) instead:
-// a thread expands a pair of groups' codes into their B tiles in a buffer (in L2), then runs every block of rows
-// over it as above. A step of a few dozen rows is bound by reading W, and the codes are 5 bits a weight against
-// 16; the expansion runs on the vector units beside the tiles. Its tiles are bf16_pack's of the bfloat16 weight
+// up to 32 rows (one pass of the tiles), each step's B tiles are expanded into L1 just before the tiles take them;
+// with more rows a thread expands a pair of groups' B tiles once into a buffer (in L2), then runs every block of
+// rows over it as above. A step of a few dozen rows is bound by reading W, and the codes are 5 bits a weight
+// against 16; the expansion runs on the vector units beside the tiles. Its tiles are bf16_pack's of the bfloat16 weight
 // the codes round to (ops/linear.py checks that at load, amx_codes_expand), so are the outputs.
 #include "aten.h"
 
@@ -190,8 +191,9 @@ inline void expand_step(const Q4Group& q, int64_t s, bf16* dst) {
   const __m512 m_low = _mm512_permutexvar_ps(low_rows, m), m_high = _mm512_permutexvar_ps(high_rows, m);
   const uint8_t* line = q.codes + kGroup * kInputs / 2 * s;
   for (int64_t b = 0; b < kInputs / 2 * kGroup; b += 64) __builtin_prefetch(line + kCodesAhead + b, 0, 3);
-  __builtin_prefetch(q.scales + kGroup * s + kCodesAhead / 8, 0, 3);
-  __builtin_prefetch(q.mins + kGroup * s + kCodesAhead / 8, 0, 3);
+  // (the scales and minimums as many steps ahead: 32 bytes each a step against the codes' 256)
+  __builtin_prefetch(q.scales + kGroup * s + kCodesAhead / 16, 0, 3);
+  __builtin_prefetch(q.mins + kGroup * s + kCodesAhead / 16, 0, 3);
   for (int64_t j = 0; j < kInputs / 2; ++j) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + kGroup * j)));
     const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, nibble)), d_low, m_low);

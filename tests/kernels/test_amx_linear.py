@@ -148,3 +148,21 @@ def test_the_tiles_from_q4_1_codes_are_the_bfloat16_weights_and_give_their_bits(
         assert torch.equal(got.view(torch.int16), kernel.amx_linear(x[:rows], tiles).view(torch.int16))
     with pytest.raises(RuntimeError, match="pair order"):
         kernel.amx_codes_linear(x, codes.codes[:, :-1], codes.scales, codes.mins)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_codes_few_rows_and_the_codes_tiles_agree(kernel, rows):
+    # a step's product takes the codes' few-row kernel (coded_pairs_linear, in the tiles' order) or the codes' tiles
+    # by its row count, and a row's bits must not depend on which: equal at 1-4 rows whatever the rows' flags
+    if not kernel.has_amx_codes_linear() or not linear.onednn_tile_order(kernel):
+        pytest.skip("no AMX tiles and AVX512-BF16 on this CPU, or oneDNN does not sum in the tiles' order")
+    from ops import quantized
+    from tests.helpers import q4_1_form
+    gen = torch.Generator().manual_seed(rows)
+    for inputs, outputs in ((576, 960), (1536, 576)):
+        codes = quantized.find_codes(q4_1_form(torch.randn(outputs, inputs, generator=gen))).paired_order()
+        x = (torch.randn(rows, inputs, generator=gen) * 3).to(torch.bfloat16)
+        tiles = kernel.amx_codes_linear(x, codes.codes, codes.scales, codes.mins)
+        for flags in (None, torch.ones(rows, dtype=torch.bool), torch.arange(rows) % 2 == 0):
+            few = kernel.coded_pairs_linear(x, codes.codes, codes.scales, codes.mins, flags)
+            assert torch.equal(few.view(torch.int16), tiles.view(torch.int16))
