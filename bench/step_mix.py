@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", metavar="DIR", help="a model folder (or GGUF file) instead of the default model")
     ap.add_argument("--contend", metavar="BUSY,PERIOD", help="a process busy BUSY ms in every PERIOD ms beside the run")
     args = ap.parse_args(argv)
+    contend = parse_contend(args.contend) if args.contend else None   # (a bad one stops the run before the load)
 
     from control_plane.block_manager import BlockManager
     from control_plane.sampling_params import SamplingParams
@@ -65,38 +66,41 @@ def main(argv=None) -> int:
         sched.add(seqs[-1])
     by_id = {s.seq_id: s for s in seqs}
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])   # steps, seconds, tokens
-    rival = start_rival(args.contend) if args.contend else None
+    rival = start_rival(*contend) if contend else None
     print(f"running {len(seqs)} requests", flush=True)   # (a profiler attached from here sees the steps alone)
     step, started = 0, time.perf_counter()
-    while sched.has_work():
-        t0 = time.perf_counter()
-        plan = sched.schedule()
-        step += 1
-        result = runner.execute(plan)
-        sched.update(plan, result)
-        ended = []
-        for tok in result.sampled:
-            seq = by_id[tok.seq_id]
-            seq.token_ids.append(tok.token_id)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                ended.append(Finish(seq, "length"))
-        sched.apply(ended)
-        took = time.perf_counter() - t0
-        rows = len(plan.new_seqs) + len(plan.cached_seqs)
-        if rows == 0:
-            key = "steps with nothing to run"
-        elif result.num_tokens > rows:
-            key = "steps with prefill tokens"
-        else:
-            lo, hi = next(b for b in BUCKETS if b[0] <= rows <= b[1])
-            key = f"decode-only, {lo}-{hi} seqs" if lo != hi else f"decode-only, {lo} seq"
-        g = groups[key]
-        g[0] += 1
-        g[1] += took
-        g[2] += len(result.sampled)
+    try:
+        while sched.has_work():
+            t0 = time.perf_counter()
+            plan = sched.schedule()
+            step += 1
+            result = runner.execute(plan)
+            sched.update(plan, result)
+            ended = []
+            for tok in result.sampled:
+                seq = by_id[tok.seq_id]
+                seq.token_ids.append(tok.token_id)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    ended.append(Finish(seq, "length"))
+            sched.apply(ended)
+            took = time.perf_counter() - t0
+            rows = len(plan.new_seqs) + len(plan.cached_seqs)
+            if rows == 0:
+                key = "steps with nothing to run"
+            elif result.num_tokens > rows:
+                key = "steps with prefill tokens"
+            else:
+                lo, hi = next(b for b in BUCKETS if b[0] <= rows <= b[1])
+                key = f"decode-only, {lo}-{hi} seqs" if lo != hi else f"decode-only, {lo} seq"
+            g = groups[key]
+            g[0] += 1
+            g[1] += took
+            g[2] += len(result.sampled)
+    finally:   # (the rival never outlives the run)
+        if rival is not None:
+            rival.kill()
     wall = time.perf_counter() - started
     if rival is not None:
-        rival.kill()
         print(f"beside a process busy {args.contend.split(',')[0]} ms in every {args.contend.split(',')[1]} ms")
     produced = sum(r.output_len for r in trace)
     print(f"\n{step} steps, {wall:.1f} s, {produced / wall:.1f} output tok/s (in-process, no HTTP)")
@@ -107,11 +111,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def start_rival(spec: str) -> subprocess.Popen:
-    """A process that spins for `busy` ms, then sleeps out the rest of each `period` ms."""
-    busy, period = (float(v) / 1e3 for v in spec.split(","))
+def parse_contend(spec: str) -> tuple[float, float]:
+    """--contend's BUSY,PERIOD (milliseconds) as seconds."""
+    try:
+        busy, period = (float(v) / 1e3 for v in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--contend {spec!r}: BUSY,PERIOD in milliseconds, such as 1,10") from None
     if not 0 < busy < period:
-        raise SystemExit("--contend BUSY,PERIOD: 0 < BUSY < PERIOD (milliseconds)")
+        raise SystemExit(f"--contend {spec!r}: 0 < BUSY < PERIOD (milliseconds)")
+    return busy, period
+
+
+def start_rival(busy: float, period: float) -> subprocess.Popen:
+    """A process that spins for `busy` seconds, then sleeps out the rest of each `period`."""
     code = ("import time\n"
             "while True:\n"
             f"    t = time.perf_counter()\n    while time.perf_counter() - t < {busy}: pass\n"
