@@ -100,8 +100,8 @@ def main(argv=None) -> int:
         if rival is not None:
             rival.kill()
     wall = time.perf_counter() - started
-    if rival is not None:
-        print(f"beside a process busy {args.contend.split(',')[0]} ms in every {args.contend.split(',')[1]} ms")
+    if contend:
+        print(f"beside a process busy {contend[0] * 1e3:g} ms in every {contend[1] * 1e3:g} ms")
     produced = sum(r.output_len for r in trace)
     print(f"\n{step} steps, {wall:.1f} s, {produced / wall:.1f} output tok/s (in-process, no HTTP)")
     print(f"{'steps':<30} {'count':>6} {'seconds':>8} {'share':>6} {'ms/step':>8} {'tokens out':>10}")

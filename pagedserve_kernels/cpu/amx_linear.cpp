@@ -83,17 +83,27 @@ void store_rows(const float (*sums)[kGroup], bf16* y0, int64_t N, int rows) {
   for (int i = 0; i < rows; ++i) pagedserve::store16(y0 + i * N, _mm512_load_ps(sums[i]));
 }
 
+// B tiles in bf16_pack's layout: group g0's from w0, those of g0 + 1 right after them (K / 2 pairs each)
+struct Packed {
+  const bf16* w0;
+  int64_t K;
+  template <bool TwoN>
+  void step(int64_t k, const bf16*& b0, const bf16*& b1) const {
+    b0 = w0 + k * kGroup;   // (the B tile's first pair, k / 2, times 2 x 16)
+    b1 = b0 + K * kGroup;
+  }
+};
+
 // Blocks of ra (and rb, where TwoM) rows from row m0, times output groups g0 (and g0 + 1, where TwoN), into y
-// (row stride N). With `chunk` < K, the inputs in chunks of that many, each summed from zero in the tiles, the
-// chunks' sums added in float32 in order (oneDNN's order for calls of more rows, where the call's shape makes it so)
-// (w0: group g0's B tiles, those of g0 + 1 right after them)
-template <bool TwoM, bool TwoN>
-void block(const bf16* x, const bf16* w0, bf16* y, int64_t m0, int ra, int rb, int64_t g0, int64_t K, int64_t N,
+// (row stride N), each step's B tiles from `tiles` (Packed, or Codes below). With `chunk` < K, the inputs in chunks
+// of that many, each summed from zero in the tiles, the chunks' sums added in float32 in order (oneDNN's order for
+// calls of more rows, where the call's shape makes it so)
+template <bool TwoM, bool TwoN, typename Tiles>
+void block(const bf16* x, const Tiles& tiles, bf16* y, int64_t m0, int ra, int rb, int64_t g0, int64_t K, int64_t N,
            int64_t chunk) {
-  const int64_t pairs = K / 2, xstride = K * sizeof(bf16);
+  const int64_t xstride = K * sizeof(bf16);
   const bf16* xa = x + m0 * K;
   const bf16* xb = xa + kRows * K;
-  const bf16* w1 = w0 + pairs * 2 * kGroup;
   bf16* ya = y + m0 * N + g0 * kGroup;
   bf16* const dest[4] = {ya, ya + kGroup, ya + kRows * N, ya + kRows * N + kGroup};
   const int rows[4] = {ra, ra, rb, rb};
@@ -105,10 +115,11 @@ void block(const bf16* x, const bf16* w0, bf16* y, int64_t m0, int ra, int rb, i
     if (TwoM) _tile_zero(2);
     if (TwoM && TwoN) _tile_zero(3);
     for (int64_t k = k0, k1 = std::min(K, k0 + chunk); k < k1; k += kInputs) {
-      const int64_t at = k / 2 * 2 * kGroup;   // the B tile's first pair, k / 2
+      const bf16 *b0, *b1;
+      tiles.template step<TwoN>(k, b0, b1);
       _tile_loadd(4, xa + k, xstride);
-      _tile_loadd(6, w0 + at, 64);
-      if (TwoN) _tile_loadd(7, w1 + at, 64);
+      _tile_loadd(6, b0, 64);
+      if (TwoN) _tile_loadd(7, b1, 64);
       if (TwoM) _tile_loadd(5, xb + k, xstride);
       _tile_dpbf16ps(0, 4, 6);
       if (TwoN) _tile_dpbf16ps(1, 4, 7);
@@ -144,8 +155,9 @@ void block(const bf16* x, const bf16* w0, bf16* y, int64_t m0, int ra, int rb, i
 }
 
 // Blocks of up to 32 rows, runs (start, chunk) of rows with their chunk ((M, 0) ends them), times output groups
-// g0 and g0 + 1 (where two_n) from w0, their B tiles
-void rows_over(const bf16* x, const bf16* w0, bf16* y, int64_t g0, bool two_n, int64_t K, int64_t N,
+// g0 and g0 + 1 (where two_n) from `tiles`
+template <typename Tiles>
+void rows_over(const bf16* x, const Tiles& tiles, bf16* y, int64_t g0, bool two_n, int64_t K, int64_t N,
                const std::vector<std::pair<int64_t, int64_t>>& runs, int& configured_a, int& configured_b) {
   for (size_t run = 0; run + 1 < runs.size(); ++run) {
     const int64_t end = runs[run + 1].first, c = runs[run].second;
@@ -156,10 +168,10 @@ void rows_over(const bf16* x, const bf16* w0, bf16* y, int64_t g0, bool two_n, i
         configure(ra, rb);
         configured_a = ra, configured_b = rb;
       }
-      if (rb > 0 && two_n) block<true, true>(x, w0, y, m0, ra, rb, g0, K, N, c);
-      else if (rb > 0) block<true, false>(x, w0, y, m0, ra, rb, g0, K, N, c);
-      else if (two_n) block<false, true>(x, w0, y, m0, ra, rb, g0, K, N, c);
-      else block<false, false>(x, w0, y, m0, ra, rb, g0, K, N, c);
+      if (rb > 0 && two_n) block<true, true>(x, tiles, y, m0, ra, rb, g0, K, N, c);
+      else if (rb > 0) block<true, false>(x, tiles, y, m0, ra, rb, g0, K, N, c);
+      else if (two_n) block<false, true>(x, tiles, y, m0, ra, rb, g0, K, N, c);
+      else block<false, false>(x, tiles, y, m0, ra, rb, g0, K, N, c);
     }
   }
 }
@@ -207,51 +219,20 @@ void expand_q4_1(const Q4Group& q, bf16* dst, int64_t K) {
   for (int64_t s = 0; s < K / kInputs; ++s) expand_step(q, s, dst + kInputs * kGroup * s);
 }
 
-// block<TwoM, TwoN> over all of K for groups q[0] (and q[1]) from their codes, each step's B tiles expanded just
-// before the tiles take them, into `tiles` (two pairs of B tiles in turn: 4 KiB, in L1): for up to 32 rows, whose
-// blocks are all one pass
-template <bool TwoM, bool TwoN>
-void codes_block(const bf16* x, const Q4Group* q, bf16* y, int ra, int rb, int64_t g0, int64_t K, int64_t N,
-                 bf16* tiles) {
-  const int64_t xstride = K * sizeof(bf16);
-  const bf16* xb = x + kRows * K;
-  bf16* ya = y + g0 * kGroup;
-  _tile_zero(0);
-  if (TwoN) _tile_zero(1);
-  if (TwoM) _tile_zero(2);
-  if (TwoM && TwoN) _tile_zero(3);
-  for (int64_t k = 0; k < K; k += kInputs) {
+// The B tiles of groups q[0] (and q[1]) expanded from their codes step by step, just before the tiles take them,
+// into `buffer` (two pairs of B tiles in turn: 4 KiB, in L1)
+struct Codes {
+  const Q4Group* q;
+  bf16* buffer;
+  template <bool TwoN>
+  void step(int64_t k, const bf16*& b0, const bf16*& b1) const {
     const int64_t s = k / kInputs;
-    bf16* b0 = tiles + (s % 2) * 2 * kInputs * kGroup;
-    bf16* b1 = b0 + kInputs * kGroup;
-    expand_step(q[0], s, b0);
-    if (TwoN) expand_step(q[1], s, b1);
-    _tile_loadd(4, x + k, xstride);
-    _tile_loadd(6, b0, 64);
-    if (TwoN) _tile_loadd(7, b1, 64);
-    if (TwoM) _tile_loadd(5, xb + k, xstride);
-    _tile_dpbf16ps(0, 4, 6);
-    if (TwoN) _tile_dpbf16ps(1, 4, 7);
-    if (TwoM) _tile_dpbf16ps(2, 5, 6);
-    if (TwoM && TwoN) _tile_dpbf16ps(3, 5, 7);
+    bf16* const pair = buffer + (s % 2) * 2 * kInputs * kGroup;
+    expand_step(q[0], s, pair);
+    if (TwoN) expand_step(q[1], s, pair + kInputs * kGroup);
+    b0 = pair, b1 = pair + kInputs * kGroup;
   }
-  alignas(64) float part[kRows][kGroup];
-  constexpr int64_t stride = kGroup * sizeof(float);
-  _tile_stored(0, part, stride);
-  store_rows(part, ya, N, ra);
-  if (TwoN) {
-    _tile_stored(1, part, stride);
-    store_rows(part, ya + kGroup, N, ra);
-  }
-  if (TwoM) {
-    _tile_stored(2, part, stride);
-    store_rows(part, ya + kRows * N, N, rb);
-  }
-  if (TwoM && TwoN) {
-    _tile_stored(3, part, stride);
-    store_rows(part, ya + kRows * N + kGroup, N, rb);
-  }
-}
+};
 #endif
 
 // checks amx_codes_linear's codes: Q4_1 in the pair order, for K inputs
@@ -317,7 +298,8 @@ void amx_linear_out(at::Tensor x, at::Tensor packed, at::Tensor y, int64_t chunk
   at::parallel_for(0, pairs_of_groups, 1, [&](int64_t p0, int64_t p1) {
     int configured_a = -1, configured_b = -1;
     for (int64_t p = p0; p < p1; ++p)
-      rows_over(xp, wp + 2 * p * K * kGroup, yp, 2 * p, 2 * p + 1 < groups, K, ldy, runs, configured_a, configured_b);
+      rows_over(xp, Packed{wp + 2 * p * K * kGroup, K}, yp, 2 * p, 2 * p + 1 < groups, K, ldy, runs, configured_a,
+                configured_b);
     if (configured_a >= 0) _tile_release();
   });
 #endif
@@ -390,19 +372,11 @@ at::Tensor amx_codes_linear(at::Tensor x, at::Tensor codes, at::Tensor scales, a
       for (int64_t i = 0; i < (two_n ? 2 : 1); ++i)
         q[i] = {cp + (g0 + i) * K / 2 * 16, sp + (g0 + i) * K / 32 * 16, mp + (g0 + i) * K / 32 * 16};
       if (one_pass) {
-        const int ra = static_cast<int>(std::min(kRows, M)), rb = static_cast<int>(std::max<int64_t>(0, M - kRows));
-        if (ra != configured_a || rb != configured_b) {
-          configure(ra, rb);
-          configured_a = ra, configured_b = rb;
-        }
-        if (rb > 0 && two_n) codes_block<true, true>(xp, q, yp, ra, rb, g0, K, N, tiles);
-        else if (rb > 0) codes_block<true, false>(xp, q, yp, ra, rb, g0, K, N, tiles);
-        else if (two_n) codes_block<false, true>(xp, q, yp, ra, rb, g0, K, N, tiles);
-        else codes_block<false, false>(xp, q, yp, ra, rb, g0, K, N, tiles);
+        rows_over(xp, Codes{q, tiles}, yp, g0, two_n, K, N, runs, configured_a, configured_b);
         continue;
       }
       for (int64_t i = 0; i < (two_n ? 2 : 1); ++i) expand_q4_1(q[i], tiles + i * K * kGroup, K);
-      rows_over(xp, tiles, yp, g0, two_n, K, N, runs, configured_a, configured_b);
+      rows_over(xp, Packed{tiles, K}, yp, g0, two_n, K, N, runs, configured_a, configured_b);
     }
     if (configured_a >= 0) _tile_release();
     std::free(tiles);
