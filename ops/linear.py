@@ -75,9 +75,9 @@ BF16_CODES_MAX_ROWS = 4
 # 8 rows in registers, and reads a third of the bytes (every product of SmolLM2: bench/route_rows.py)
 BF16_DOT_CODES_MAX_ROWS = 8
 # AVX2 alone: bfloat16 weights that are GGUF codes, in the order of torch's own GEMM: up to this many rows
-# through the kernel reading the codes, more through the one reading the bfloat16 weight: with more rows the
-# expansion of every code costs more than reading the weight saves (docs/performance.md)
-DOTS_CODES_MAX_ROWS = 5
+# through the kernel reading the codes (each output's codes expanded once for all rows), more through the one
+# reading the bfloat16 weight, which is as fast from about 16 rows on (bench/route_rows.py held to AVX2)
+DOTS_CODES_MAX_ROWS = 12
 # the kernels that read codes (RoutedLinear.codes_route names them), numbered as CodedLayers
 # (pagedserve_kernels/cpu/coded_layers.h) takes them
 CODES_KERNELS = ("coded_linear", "coded_pairs_linear", "bf16_dots_codes_linear")

@@ -27,12 +27,16 @@
 // Codes.row_blocks): Q4_1's block b of row n is 16 bytes at codes[n, 16 b], byte j holding the code of
 // input 32 b + j in its low nibble and of input 32 b + 16 + j in its high one; Q8_0's codes are
 // codes[n, k]; each block's scale (and minimum) is at scale_min[n, b] (float32, each a float16 value).
-// Each weight is expanded and rounded in registers and multiplied at once, in the vector position the
-// sums above give it: the same bits as bf16_dots_linear on the bfloat16 weight, which ops/linear.py checks
-// at load (bf16_dots_codes_expand) before routing.
+// Up to four rows, each weight is expanded and rounded in registers and multiplied at once, in the vector
+// position the sums above give it; with more, an output's weights are expanded once into an L1 buffer that
+// the rows' tiles read. The same bits as bf16_dots_linear on the bfloat16 weight, which ops/linear.py checks
+// at load (bf16_dots_codes_expand) before routing. The walks over outputs (these and bf16_dots_linear's) ask
+// for the rows they read next: without that a row of codes took about twice as long from memory as from
+// cache (bench/route_rows.py held to AVX2).
 #include "aten.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "simd.h"
 
@@ -42,9 +46,18 @@ constexpr int64_t kBlock = 64, kLanes = 8, kSums = kBlock / kLanes;
 constexpr int64_t kTileRows = 4, kTileCols = 2, kPanelCols = 32;
 // the most rows that walk each row of W (rows_walk) rather than take the tiles (as fast at 6 rows, faster from 8)
 constexpr int64_t kWalkRows = 5;
+// the outputs ahead whose row (of codes or of bfloat16 weights) a walk over outputs asks for
+constexpr int64_t kCodesAhead = 4;
+// the most rows whose tile expands an output's codes in registers (codes_tile); more read them expanded from L1
+constexpr int64_t kCodesTileRows = 4;
 
 #ifdef PAGEDSERVE_AVX2
 using pagedserve::bf16;
+
+// asks for `bytes` at p into L1 (a walk's row some outputs ahead)
+inline void ask_row(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
 
 // sixteen bfloat16 values as float32: inputs 0-3 and 8-11 in `a`, 4-7 and 12-15 in `b` (the unpacks work
 // within each 128-bit half)
@@ -238,18 +251,77 @@ void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, b
   for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
 }
 
+// rows [m0, m0 + R) x output n from its row of weights already expanded and rounded into `wf` (float32, input
+// order): a pass per V vector positions over the blocks, R x V running sums in registers (eight chains, for the
+// FMAs' latency); the sums fold as bf16_dots_linear's. (Two outputs a tile, each x loaded once for both, was
+// no faster.)
+template <int R, int V>
+void expanded_tile(const float* xf, const float* wf, bf16* y, int64_t m0, int64_t n, int64_t K, int64_t N) {
+  __m256 sums[R][kSums];
+  for (int v0 = 0; v0 < kSums; v0 += V) {
+    __m256 acc[R][V];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += kBlock) {
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        const __m256 w = _mm256_loadu_ps(wf + k + kLanes * (v0 + v));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + (m0 + r) * K + k + kLanes * (v0 + v)), w, acc[r][v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) sums[r][v0 + v] = acc[r][v];
+  }
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
+}
+
+// Up to kCodesTileRows rows, each output's codes are expanded in registers and multiplied at once (codes_tile);
+// with more, each row tile would expand them again, so the output's row is expanded once into an L1 buffer and
+// the rows' tiles read it from there. Each thread asks for the codes some outputs ahead: the hardware's
+// prefetcher did not keep up with a walk of two streams (codes, scales) that few rows make this fast.
 template <typename Kind>
 void codes_product(const float* xf, const uint8_t* codes, const float* scale_min, bf16* y, int64_t M, int64_t K,
                    int64_t N) {
+  const int64_t row_bytes = Kind::row_bytes(K), sm_bytes = (K / 32) * Kind::kScaleFloats * 4;
   at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-        switch (std::min(kTileRows, M - m0)) {
-          case 1: codes_tile<Kind, 1, 4>(xf, codes, scale_min, y, m0, n, K, N); break;
-          case 2: codes_tile<Kind, 2, 2>(xf, codes, scale_min, y, m0, n, K, N); break;
-          case 3: codes_tile<Kind, 3, 1>(xf, codes, scale_min, y, m0, n, K, N); break;
-          default: codes_tile<Kind, kTileRows, 1>(xf, codes, scale_min, y, m0, n, K, N); break;
+    std::vector<float> buffer(M > kCodesTileRows ? K : 0);
+    float* const wf = buffer.data();
+    for (int64_t n = n0; n < n1; ++n) {
+      if (n + kCodesAhead < n1) {
+        ask_row(codes + (n + kCodesAhead) * row_bytes, row_bytes);
+        ask_row(reinterpret_cast<const char*>(scale_min) + (n + kCodesAhead) * sm_bytes, sm_bytes);
+      }
+      switch (M) {
+        case 1: codes_tile<Kind, 1, 4>(xf, codes, scale_min, y, 0, n, K, N); continue;
+        case 2: codes_tile<Kind, 2, 2>(xf, codes, scale_min, y, 0, n, K, N); continue;
+        case 3: codes_tile<Kind, 3, 1>(xf, codes, scale_min, y, 0, n, K, N); continue;
+        case kCodesTileRows: codes_tile<Kind, kCodesTileRows, 1>(xf, codes, scale_min, y, 0, n, K, N); continue;
+        default: break;
+      }
+      const uint8_t* row = codes + n * row_bytes;
+      const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
+      for (int64_t k = 0; k < K; k += kBlock)
+        for (int u = 0; u < 4; ++u) {
+          __m256 a, b;
+          Kind::weights(row, sm, k, u, a, b);
+          _mm256_storeu_ps(wf + k + kLanes * Kind::first(u), a);
+          _mm256_storeu_ps(wf + k + kLanes * Kind::second(u), b);
         }
+      int64_t m0 = 0;
+      for (; m0 + kTileRows <= M; m0 += kTileRows) expanded_tile<kTileRows, 2>(xf, wf, y, m0, n, K, N);
+      switch (M - m0) {
+        case 1: expanded_tile<1, 8>(xf, wf, y, m0, n, K, N); break;
+        case 2: expanded_tile<2, 4>(xf, wf, y, m0, n, K, N); break;
+        case 3: expanded_tile<3, 4>(xf, wf, y, m0, n, K, N); break;
+        default: break;
+      }
+    }
   });
 }
 
@@ -361,7 +433,10 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   if (M == 1) {
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) one_row(xf, wp, yp, n, K);
+      for (int64_t n = n0; n < n1; ++n) {
+        if (n + kCodesAhead < n1) ask_row(wp + (n + kCodesAhead) * K, 2 * K);
+        one_row(xf, wp, yp, n, K);
+      }
     });
     return y;
   }
@@ -369,12 +444,14 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
     // output by output, its row of W walked by three rows of x at a time, or two (4 rows: two and two; from two
     // rows up this never leaves one alone)
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
+      for (int64_t n = n0; n < n1; ++n) {
+        if (n + kCodesAhead < n1) ask_row(wp + (n + kCodesAhead) * K, 2 * K);
         for (int64_t m0 = 0; m0 < M;) {
           const int64_t left = M - m0;
           if (left >= 3 && left != 4) rows_walk<3>(xf, wp, yp, m0, n, K, N), m0 += 3;
           else rows_walk<2>(xf, wp, yp, m0, n, K, N), m0 += 2;
         }
+      }
     });
     return y;
   }
@@ -386,6 +463,11 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
         const int64_t rows = std::min(kTileRows, M - m0);
         for (int64_t n0 = c0; n0 < c1; n0 += kTileCols) {
           const int64_t cols = std::min(kTileCols, c1 - n0);
+          if (m0 == 0 && p + 1 < p1) {
+            const char* next = reinterpret_cast<const char*>(wp + (n0 + kPanelCols) * K);
+            const int64_t bytes = std::min<int64_t>(cols * K * 2, (N - n0 - kPanelCols) * K * 2);
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
+          }
           switch (rows) {
             case 1: tile_cols<1>(cols, xf, wp, yp, m0, n0, K, N); break;
             case 2: tile_cols<2>(cols, xf, wp, yp, m0, n0, K, N); break;
