@@ -430,6 +430,9 @@ inline void ask_next_scales(const at::Half* scales, const at::Half* mins, int64_
 // is fixed, so it cannot be split), and one row against one group leaves a single chain in flight,
 // bound by the FMA's latency rather than its throughput. G groups keep G * M independent chains.
 template <int M> constexpr int direct_groups() { return M == 1 ? 4 : M == 2 ? 2 : M <= 4 ? 3 : M <= 8 ? 2 : 1; }
+// The tiles' order keeps three sums a row and group (the even inputs', the odd ones', the chunks' before), where
+// the dot product keeps two: fewer groups side by side, so that they stay in the 32 registers
+template <int M> constexpr int tile_groups() { return M == 1 ? 4 : M <= 4 ? 2 : 1; }
 
 // fn(j, even, odd) for every input pair j of groups g .. g + G - 1, in order, where even[v] and odd[v]
 // are group g + v's 16 rows' float32 weights of inputs 2j and 2j + 1; the expansion is the panel's
@@ -595,12 +598,11 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
 #endif
 
 #if defined(PAGEDSERVE_AVX512) || defined(PAGEDSERVE_CODES_AVX2)
-// fn(std::integral_constant<int, G>, g) over groups [g0, g1) of the direct path: G = direct_groups<M>()
-// groups at a time while that many remain, then the rest side by side (a thread's share of the groups
+// fn(std::integral_constant<int, G>, g) over groups [g0, g1) of the direct path: G (direct_groups<M>() unless
+// given) groups at a time while that many remain, then the rest side by side (a thread's share of the groups
 // need not be a multiple of G, and one group alone leaves a single chain in flight)
-template <int M, typename Fn>
+template <int M, typename Fn, int G = direct_groups<M>()>
 inline void direct_groups_in(int64_t g0, int64_t g1, Fn fn) {
-  constexpr int G = direct_groups<M>();
   int64_t g = g0;
   for (; g + G <= g1; g += G) fn(std::integral_constant<int, G>{}, g);
   const int64_t rest = g1 - g;
@@ -712,12 +714,14 @@ void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y, const bool* 
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     with_rows<kDirectRows>(M, [&](auto m) {
-      direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
-        if (g_bf16_tiles.load(std::memory_order_relaxed))
-          direct_group_dot<m(), G(), Paired, true>(w, g, xp, yp, one_row, groups * kGroup);
-        else
+      if (g_bf16_tiles.load(std::memory_order_relaxed)) {
+        auto fn = [&](auto G, int64_t g) { direct_group_dot<m(), G(), Paired, true>(w, g, xp, yp, one_row, groups * kGroup); };
+        direct_groups_in<m(), decltype(fn), tile_groups<m()>()>(g0, g1, fn);
+      } else {
+        direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
           direct_group_dot<m(), G(), Paired, false>(w, g, xp, yp, one_row, groups * kGroup);
-      });
+        });
+      }
     });
   });
 }
