@@ -47,7 +47,7 @@ constexpr int64_t kTileRows = 4, kTileCols = 2, kPanelCols = 32;
 // the most rows that walk each row of W (rows_walk) rather than take the tiles (as fast at 6 rows, faster from 8)
 constexpr int64_t kWalkRows = 5;
 // the outputs ahead whose row (of codes or of bfloat16 weights) a walk over outputs asks for
-constexpr int64_t kCodesAhead = 4;
+constexpr int64_t kRowsAhead = 4;
 // the most rows whose tile expands an output's codes in registers (codes_tile); more read them expanded from L1
 constexpr int64_t kCodesTileRows = 4;
 
@@ -293,9 +293,9 @@ void codes_product(const float* xf, const uint8_t* codes, const float* scale_min
     std::vector<float> buffer(M > kCodesTileRows ? K : 0);
     float* const wf = buffer.data();
     for (int64_t n = n0; n < n1; ++n) {
-      if (n + kCodesAhead < n1) {
-        ask_row(codes + (n + kCodesAhead) * row_bytes, row_bytes);
-        ask_row(reinterpret_cast<const char*>(scale_min) + (n + kCodesAhead) * sm_bytes, sm_bytes);
+      if (n + kRowsAhead < n1) {
+        ask_row(codes + (n + kRowsAhead) * row_bytes, row_bytes);
+        ask_row(reinterpret_cast<const char*>(scale_min) + (n + kRowsAhead) * sm_bytes, sm_bytes);
       }
       switch (M) {
         case 1: codes_tile<Kind, 1, 4>(xf, codes, scale_min, y, 0, n, K, N); continue;
@@ -434,7 +434,7 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   if (M == 1) {
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        if (n + kCodesAhead < n1) ask_row(wp + (n + kCodesAhead) * K, 2 * K);
+        if (n + kRowsAhead < n1) ask_row(wp + (n + kRowsAhead) * K, 2 * K);
         one_row(xf, wp, yp, n, K);
       }
     });
@@ -445,7 +445,7 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
     // rows up this never leaves one alone)
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        if (n + kCodesAhead < n1) ask_row(wp + (n + kCodesAhead) * K, 2 * K);
+        if (n + kRowsAhead < n1) ask_row(wp + (n + kRowsAhead) * K, 2 * K);
         for (int64_t m0 = 0; m0 < M;) {
           const int64_t left = M - m0;
           if (left >= 3 && left != 4) rows_walk<3>(xf, wp, yp, m0, n, K, N), m0 += 3;
@@ -463,11 +463,8 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
         const int64_t rows = std::min(kTileRows, M - m0);
         for (int64_t n0 = c0; n0 < c1; n0 += kTileCols) {
           const int64_t cols = std::min(kTileCols, c1 - n0);
-          if (m0 == 0 && p + 1 < p1) {
-            const char* next = reinterpret_cast<const char*>(wp + (n0 + kPanelCols) * K);
-            const int64_t bytes = std::min<int64_t>(cols * K * 2, (N - n0 - kPanelCols) * K * 2);
-            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
-          }
+          // the panel's first row tile asks for its columns in the thread's next panel (none past the last output)
+          if (m0 == 0 && p + 1 < p1) ask_row(wp + (n0 + kPanelCols) * K, std::min(cols, N - n0 - kPanelCols) * K * 2);
           switch (rows) {
             case 1: tile_cols<1>(cols, xf, wp, yp, m0, n0, K, N); break;
             case 2: tile_cols<2>(cols, xf, wp, yp, m0, n0, K, N); break;

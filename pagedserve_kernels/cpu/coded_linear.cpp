@@ -715,7 +715,9 @@ void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y, const bool* 
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     with_rows<kDirectRows>(M, [&](auto m) {
       if (g_bf16_tiles.load(std::memory_order_relaxed)) {
-        auto fn = [&](auto G, int64_t g) { direct_group_dot<m(), G(), Paired, true>(w, g, xp, yp, one_row, groups * kGroup); };
+        auto fn = [&](auto G, int64_t g) {
+          direct_group_dot<m(), G(), Paired, true>(w, g, xp, yp, one_row, groups * kGroup);
+        };
         direct_groups_in<m(), decltype(fn), tile_groups<m()>()>(g0, g1, fn);
       } else {
         direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
