@@ -202,7 +202,7 @@ inline void expand_step(const Q4Group& q, int64_t s, bf16* dst) {
   const __m512 d_low = _mm512_permutexvar_ps(low_rows, d), d_high = _mm512_permutexvar_ps(high_rows, d);
   const __m512 m_low = _mm512_permutexvar_ps(low_rows, m), m_high = _mm512_permutexvar_ps(high_rows, m);
   const uint8_t* line = q.codes + kGroup * kInputs / 2 * s;
-  for (int64_t b = 0; b < kInputs / 2 * kGroup; b += 64) __builtin_prefetch(line + kCodesAhead + b, 0, 3);
+  pagedserve::ask_lines(line + kCodesAhead, kInputs / 2 * kGroup);
   // (the scales and minimums as many steps ahead: 32 bytes each a step against the codes' 256)
   __builtin_prefetch(q.scales + kGroup * s + kCodesAhead / 16, 0, 3);
   __builtin_prefetch(q.mins + kGroup * s + kCodesAhead / 16, 0, 3);

@@ -54,11 +54,6 @@ constexpr int64_t kCodesTileRows = 4;
 #ifdef PAGEDSERVE_AVX2
 using pagedserve::bf16;
 
-// asks for `bytes` at p into L1 (a walk's row some outputs ahead)
-inline void ask_row(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
-}
-
 // sixteen bfloat16 values as float32: inputs 0-3 and 8-11 in `a`, 4-7 and 12-15 in `b` (the unpacks work
 // within each 128-bit half)
 inline void widen16(const bf16* p, __m256& a, __m256& b) {
@@ -251,6 +246,21 @@ void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, b
   for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
 }
 
+// output n's K weights from its codes, expanded and rounded, into out in input order (float32, or bfloat16: the
+// rounded values are exact in either)
+template <typename Kind, typename Out>
+void expand_row(const uint8_t* codes, const float* scale_min, int64_t n, int64_t K, Out* out) {
+  const uint8_t* row = codes + n * Kind::row_bytes(K);
+  const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
+  for (int64_t k = 0; k < K; k += kBlock)
+    for (int u = 0; u < 4; ++u) {
+      __m256 a, b;
+      Kind::weights(row, sm, k, u, a, b);
+      pagedserve::store8(out + k + kLanes * Kind::first(u), a);
+      pagedserve::store8(out + k + kLanes * Kind::second(u), b);
+    }
+}
+
 // rows [m0, m0 + R) x output n from its row of weights already expanded and rounded into `wf` (float32, input
 // order): a pass per V vector positions over the blocks, R x V running sums in registers (eight chains, for the
 // FMAs' latency); the sums fold as bf16_dots_linear's. (Two outputs a tile, each x loaded once for both, was
@@ -294,8 +304,8 @@ void codes_product(const float* xf, const uint8_t* codes, const float* scale_min
     float* const wf = buffer.data();
     for (int64_t n = n0; n < n1; ++n) {
       if (n + kRowsAhead < n1) {
-        ask_row(codes + (n + kRowsAhead) * row_bytes, row_bytes);
-        ask_row(reinterpret_cast<const char*>(scale_min) + (n + kRowsAhead) * sm_bytes, sm_bytes);
+        pagedserve::ask_lines(codes + (n + kRowsAhead) * row_bytes, row_bytes);
+        pagedserve::ask_lines(reinterpret_cast<const char*>(scale_min) + (n + kRowsAhead) * sm_bytes, sm_bytes);
       }
       switch (M) {
         case 1: codes_tile<Kind, 1, 4>(xf, codes, scale_min, y, 0, n, K, N); continue;
@@ -304,15 +314,7 @@ void codes_product(const float* xf, const uint8_t* codes, const float* scale_min
         case kCodesTileRows: codes_tile<Kind, kCodesTileRows, 1>(xf, codes, scale_min, y, 0, n, K, N); continue;
         default: break;
       }
-      const uint8_t* row = codes + n * row_bytes;
-      const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
-      for (int64_t k = 0; k < K; k += kBlock)
-        for (int u = 0; u < 4; ++u) {
-          __m256 a, b;
-          Kind::weights(row, sm, k, u, a, b);
-          _mm256_storeu_ps(wf + k + kLanes * Kind::first(u), a);
-          _mm256_storeu_ps(wf + k + kLanes * Kind::second(u), b);
-        }
+      expand_row<Kind>(codes, scale_min, n, K, wf);
       int64_t m0 = 0;
       for (; m0 + kTileRows <= M; m0 += kTileRows) expanded_tile<kTileRows, 2>(xf, wf, y, m0, n, K, N);
       switch (M - m0) {
@@ -329,17 +331,7 @@ void codes_product(const float* xf, const uint8_t* codes, const float* scale_min
 template <typename Kind>
 void codes_expand(const uint8_t* codes, const float* scale_min, bf16* w, int64_t K, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = codes + n * Kind::row_bytes(K);
-      const float* sm = scale_min + n * (K / 32) * Kind::kScaleFloats;
-      for (int64_t k = 0; k < K; k += kBlock)
-        for (int u = 0; u < 4; ++u) {
-          __m256 a, b;
-          Kind::weights(row, sm, k, u, a, b);
-          pagedserve::store8(w + n * K + k + kLanes * Kind::first(u), a);   // (the low halves are zero)
-          pagedserve::store8(w + n * K + k + kLanes * Kind::second(u), b);
-        }
-    }
+    for (int64_t n = n0; n < n1; ++n) expand_row<Kind>(codes, scale_min, n, K, w + n * K);
   });
 }
 
@@ -434,7 +426,7 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
   if (M == 1) {
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        if (n + kRowsAhead < n1) ask_row(wp + (n + kRowsAhead) * K, 2 * K);
+        if (n + kRowsAhead < n1) pagedserve::ask_lines(wp + (n + kRowsAhead) * K, 2 * K);
         one_row(xf, wp, yp, n, K);
       }
     });
@@ -445,7 +437,7 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
     // rows up this never leaves one alone)
     at::parallel_for(0, N, kPanelCols, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
-        if (n + kRowsAhead < n1) ask_row(wp + (n + kRowsAhead) * K, 2 * K);
+        if (n + kRowsAhead < n1) pagedserve::ask_lines(wp + (n + kRowsAhead) * K, 2 * K);
         for (int64_t m0 = 0; m0 < M;) {
           const int64_t left = M - m0;
           if (left >= 3 && left != 4) rows_walk<3>(xf, wp, yp, m0, n, K, N), m0 += 3;
@@ -464,7 +456,8 @@ at::Tensor bf16_dots_linear(at::Tensor x, at::Tensor w) {
         for (int64_t n0 = c0; n0 < c1; n0 += kTileCols) {
           const int64_t cols = std::min(kTileCols, c1 - n0);
           // the panel's first row tile asks for its columns in the thread's next panel (none past the last output)
-          if (m0 == 0 && p + 1 < p1) ask_row(wp + (n0 + kPanelCols) * K, std::min(cols, N - n0 - kPanelCols) * K * 2);
+          if (m0 == 0 && p + 1 < p1)
+            pagedserve::ask_lines(wp + (n0 + kPanelCols) * K, std::min(cols, N - n0 - kPanelCols) * K * 2);
           switch (rows) {
             case 1: tile_cols<1>(cols, xf, wp, yp, m0, n0, K, N); break;
             case 2: tile_cols<2>(cols, xf, wp, yp, m0, n0, K, N); break;

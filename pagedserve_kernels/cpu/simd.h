@@ -43,6 +43,12 @@ template <> inline bf16 from_float<bf16>(float x) {
 // x rounded to T and widened back: what a torch operation writing T hands to the next one
 template <typename T> inline float rounded(float x) { return to_float(from_float<T>(x)); }
 
+// Every cache line of [p, p + bytes) asked for, into all levels: a walk's row some rows ahead of its use. A
+// prefetch never faults: asking past the end of a tensor is harmless.
+inline void ask_lines(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
 // Cache lines asked for into L2 ahead of their use, a few at each of a loop's `steps` steps: a panel's tiles
 // ask for the thread's next panel while they run over this one from L2, so that the memory keeps reading
 // (the hardware's streamer fetches only a little ahead of a tile) and the next panel's first tile does not
