@@ -10,9 +10,10 @@ PAGEDSERVE_GREEDY_HEAD=0, every row takes the full logits.
 A plain output layer (a model's own float weights, no codes) gets Q8_0 codes found near it at start
 (`NearCodes`): the first pass reads those, and its bound grows by what the codes miss, per block the norm of
 w - scale * code times the norm of x's block. The candidates' logits are the weight's own, as its route computes
-them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel, rounded to
-bfloat16, the token the first index of the largest of those, as the sampler takes it from the full bfloat16
-logits (`has_bf16_argmax`). A bfloat16 layer rounded from Q8_0 codes is one too, its codes those it was rounded
+them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel
+(`has_bf16_argmax`) or in torch's own order where that is the route (AVX2: `bf16_dots_linear`,
+`has_bf16_dots_argmax`), rounded to bfloat16, the token the first index of the largest of those, as the sampler
+takes it from the full bfloat16 logits. A bfloat16 layer rounded from Q8_0 codes is one too, its codes those it was rounded
 from (what they miss: the rounding). The codes and their bounds take about 1.5 bytes a weight beside the layer.
 """
 from __future__ import annotations
@@ -24,13 +25,13 @@ import torch
 from ops import quantized
 
 
-# Fewer rows than this, by the kernel's first pass, take the full logits where the layer is codes: there the full
-# product is the codes' few-row path, bound by reading the layer (SmolLM2's 28 MiB), which the first pass reads as
-# well (bench/greedy_head.py). AVX512-VNNI: about even at one row; from two 0.72-0.80x the time in float32, and
-# 0.81-1.05x in bfloat16 (even at 2-5 rows, ahead from 8).
-# AVX2 (two instructions for VNNI's one, and a wider bound): no gain up to 8 rows, where the full product keeps its
-# weights in registers.
-MIN_ROWS = {"avx512_vnni": 2, "avx2": 9}
+# Fewer rows than this, by the kernel's first pass, take the full logits where the layer is codes (or rounded from
+# them): there the full product is the codes' few-row path, which reads the layer as the first pass does. On
+# SmolLM2's states (bench/greedy_head.py, each repeat other states) the head took 0.46-0.83x the float32
+# product's time at 1-8 rows with AVX512-VNNI, 0.49-0.63x at 1-16 with AVX2, and 0.34-0.52x the bfloat16 one's
+# in torch's order at 1-64 (AVX2). "avx512_bf16": a bfloat16 layer on the AVX512-BF16 kernel, 0.81-1.05x at 2-5 rows when last
+# measured (on one state only, the one that leaves the most candidates), not since.
+MIN_ROWS = {"avx512_vnni": 1, "avx2": 1, "avx512_bf16": 2}
 # A plain layer's full product reads 2 or 4 bytes a weight where the first pass reads about one and a half: on
 # the 415M model's output layer (bench/greedy_head.py --model) the head took 0.32-0.48x the float32 product's
 # time and 0.58-0.75x the bfloat16 one's at 1-64 rows, 0.50-0.68x the float32 one's on AVX2
@@ -103,7 +104,7 @@ class GreedyHead:
     own, or those it was rounded from)."""
 
     def __init__(self, kernel, codes: quantized.Codes | NearCodes, weight: torch.Tensor | None = None,
-                 codes_rows: bool = True):
+                 codes_rows: bool = True, dots: bool = False):
         near = isinstance(codes, NearCodes)
         self.kernel = kernel
         self.codes = None if near else codes   # the kernel recomputes from these (else from `weight`)
@@ -111,10 +112,12 @@ class GreedyHead:
         # bfloat16 [N, K] (the codes' rounding, or a plain weight) or float32 [N, K] (a plain weight): the
         # logits that decide are its (or None: the codes')
         self.weight = weight
+        self.dots = dots   # a bfloat16 weight's logits in torch's own order (bf16_dots_linear's), not bf16_linear's
         self.kind = kernel.q8_argmax_kind()
         # a step's greedy rows it serves, at least: where the layer is codes, or rounded from them, its few rows
         # read those
-        self.min_rows = (MIN_ROWS if codes_rows else PLAIN_MIN_ROWS)[self.kind]
+        dot = weight is not None and weight.dtype == torch.bfloat16 and not dots
+        self.min_rows = MIN_ROWS["avx512_bf16" if dot else self.kind] if codes_rows else PLAIN_MIN_ROWS[self.kind]
         groups, k, lanes = codes.codes.shape
         # [N / 16, K / 4, 16, 4]: per group and four inputs, each row's four codes in one 32-bit lane,
         # plus 128 (the first pass multiplies unsigned bytes by the signed ones of x)
@@ -148,7 +151,8 @@ class GreedyHead:
         exactly."""
         tokens, _, counts = self.kernel.q8_argmax(hidden.float().contiguous(), self.packed,
                                                   None if self.codes is None else self.codes.codes, self.scales,
-                                                  self.absums, self.norms, self.widest, self.weight, self.resids)
+                                                  self.absums, self.norms, self.widest, self.weight, self.resids,
+                                                  self.dots)
         return tokens.tolist(), counts.tolist()
 
 
@@ -159,23 +163,27 @@ def enabled() -> bool:
 def build(head: torch.nn.Module, kernel) -> GreedyHead | None:
     """A GreedyHead for the output layer `head` where the kernel has the first pass and its CPU weight is
     Q8_0 codes (float32), or their rounding to bfloat16, or a plain weight (codes found near it): float32 laid
-    out in panels, bfloat16 with the AVX512-BF16 kernel as its route. Else None."""
+    out in panels, bfloat16 with the AVX512-BF16 kernel or torch's order (bf16_dots_linear) as its route.
+    Else None."""
     weight = getattr(head, "weight", None)
     if not enabled() or kernel is None or not kernel.has_q8_argmax() or getattr(head, "bias", None) is not None \
             or weight is None or weight.device.type != "cpu":
         return None
     routed = head.__dict__.get("forward")   # ops/linear.py's route keeps the codes it found
     if weight.dtype == torch.bfloat16:
-        # the exact logits are the AVX512-BF16 kernel's (bf16_linear: `dot` is its layout), whose bits every row
-        # count of the route gives; the codes those of the float32 weight it was rounded from, else found near it
-        if not kernel.has_bf16_argmax() or getattr(routed, "dot", None) is None:
+        # the exact logits are the AVX512-BF16 kernel's (bf16_linear: `dot` is its layout) or those in torch's
+        # order (`dots`), whose bits every row count of the route gives; the codes those of the float32 weight it
+        # was rounded from, else found near it
+        dots = bool(getattr(routed, "dots", False))
+        if not (kernel.has_bf16_dots_argmax() if dots else
+                kernel.has_bf16_argmax() and getattr(routed, "dot", None) is not None):
             return None
         codes = routed.plain_codes
         weight = weight.detach().contiguous()
         # (either kind of bfloat16 weight is as a plain one: the codes it was rounded from are nearest, its rounding
         # what they miss)
         return GreedyHead(kernel, NearCodes(weight, codes if codes is not None and codes.kind == "q8_0" else None),
-                          weight, codes_rows=codes is not None)
+                          weight, codes_rows=codes is not None, dots=dots)
     if weight.dtype != torch.float32:
         return None
     codes = getattr(routed, "codes", None)

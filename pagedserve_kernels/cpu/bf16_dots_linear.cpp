@@ -62,18 +62,7 @@ inline void widen16(const bf16* p, __m256& a, __m256& b) {
   b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-// The eight running sums of one output, halved as torch halves them, then the lanes
-inline float fold(const __m256* s) {
-  __m256 a[4];
-  for (int v = 0; v < 4; ++v) a[v] = _mm256_add_ps(s[v], s[v + 4]);
-  a[0] = _mm256_add_ps(a[0], a[2]);
-  a[1] = _mm256_add_ps(a[1], a[3]);
-  __m256 t = _mm256_add_ps(a[0], a[1]);
-  t = _mm256_add_ps(t, _mm256_permute2f128_ps(t, t, 0x1));   // lane l + l+4
-  t = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0x4E));       // + l+2
-  t = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0xB1));       // + l+1
-  return _mm256_cvtss_f32(t);
-}
+using pagedserve::torch_dots_fold;
 
 // rows [m0, m0 + R) x outputs [n0, n0 + C), xf x widened in input order: one pass per vector position v
 // over the blocks, its R x C running sums in registers
@@ -96,7 +85,7 @@ void tile(const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n0, int64
       for (int c = 0; c < C; ++c) sums[r][c][v] = acc[r][c];
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = pagedserve::from_float<bf16>(fold(sums[r][c]));
+    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = pagedserve::from_float<bf16>(torch_dots_fold(sums[r][c]));
 }
 
 // tile<R, C> for the rows and columns left, R <= kTileRows and C <= kTileCols
@@ -125,7 +114,7 @@ void one_row(const float* xf, const bf16* w, bf16* y, int64_t n, int64_t K) {
     sums[2 * t] = _mm256_permute2f128_ps(acc_a[t], acc_b[t], 0x20);
     sums[2 * t + 1] = _mm256_permute2f128_ps(acc_a[t], acc_b[t], 0x31);
   }
-  y[n] = pagedserve::from_float<bf16>(fold(sums));
+  y[n] = pagedserve::from_float<bf16>(torch_dots_fold(sums));
 }
 
 // R rows [m0, m0 + R) x output n, for a few rows: W's row walked twice, a pass taking half of every 64-block
@@ -159,7 +148,7 @@ void rows_walk(const float* xf, const bf16* w, bf16* y, int64_t m0, int64_t n, i
         sums[r][2 * (2 * h + t) + 1] = _mm256_permute2f128_ps(acc_a[r][t], acc_b[r][t], 0x31);
       }
   }
-  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(torch_dots_fold(sums[r]));
 }
 
 // w rounded to bfloat16 (nearest, ties to even), as float32: with c = +-2^e for w's exponent e (its sign
@@ -243,7 +232,7 @@ void codes_tile(const float* xf, const uint8_t* codes, const float* scale_min, b
       for (int r = 0; r < R; ++r)
         sums[r][Kind::first(u0 + j)] = acc[r][2 * j], sums[r][Kind::second(u0 + j)] = acc[r][2 * j + 1];
   }
-  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(torch_dots_fold(sums[r]));
 }
 
 // output n's K weights from its codes, expanded and rounded, into out in input order (float32, or bfloat16: the
@@ -288,7 +277,7 @@ void expanded_tile(const float* xf, const float* wf, bf16* y, int64_t m0, int64_
 #pragma GCC unroll 8
       for (int v = 0; v < V; ++v) sums[r][v0 + v] = acc[r][v];
   }
-  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(fold(sums[r]));
+  for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = pagedserve::from_float<bf16>(torch_dots_fold(sums[r]));
 }
 
 // Up to kCodesTileRows rows, each output's codes are expanded in registers and multiplied at once (codes_tile);

@@ -46,8 +46,9 @@ bool has_q8_argmax();
 std::string q8_argmax_kind();
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> codes,
                                   at::Tensor scales, at::Tensor absums, at::Tensor norms, at::Tensor widest,
-                                  c10::optional<at::Tensor> weight, c10::optional<at::Tensor> resid);
+                                  c10::optional<at::Tensor> weight, c10::optional<at::Tensor> resid, bool dots);
 bool has_bf16_argmax();
+bool has_bf16_dots_argmax();
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 
 static bool vectorized() {
@@ -122,8 +123,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_argmax_kind", &q8_argmax_kind, "q8_argmax's first pass: avx512_vnni, avx2, or empty where there is none");
   m.def("q8_argmax", &q8_argmax, pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("codes"),
         pybind11::arg("scales"), pybind11::arg("absums"), pybind11::arg("norms"), pybind11::arg("widest"),
-        pybind11::arg("weight"), pybind11::arg("resid") = pybind11::none(), "per float32 row of x: the first index of the largest logit through a Q8_0 output layer (or one held near Q8_0 codes), its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
+        pybind11::arg("weight"), pybind11::arg("resid") = pybind11::none(), pybind11::arg("dots") = false,
+        "per float32 row of x: the first index of the largest logit through a Q8_0 output layer (or one held near Q8_0 codes), its logit and how many were computed exactly (pagedserve_kernels/cpu/greedy_head.cpp)");
   m.def("has_bf16_argmax", &has_bf16_argmax, "whether q8_argmax takes a bfloat16 output layer (AVX512-BF16 beside its first pass)");
+  m.def("has_bf16_dots_argmax", &has_bf16_dots_argmax, "whether q8_argmax takes a bfloat16 output layer summed in "
+        "torch's own GEMM's order (dots: bf16_dots_linear's, AVX2 beside its first pass)");
   // module_local: two builds of these kernels can then be loaded in one process (bench/kernels_ab.py)
   pybind11::class_<CodedLayers>(m, "CodedLayers", pybind11::module_local(), "a model's decoder layers whose products read GGUF codes (bfloat16 weights above the rows those serve), run in one call per step (pagedserve_kernels/cpu/coded_layers.cpp)")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>, std::vector<double>, int64_t, int64_t, int64_t, double>())

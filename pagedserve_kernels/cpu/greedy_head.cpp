@@ -63,6 +63,10 @@
 #if defined(PAGEDSERVE_Q8_ARGMAX) && defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
 #define PAGEDSERVE_BF16_ARGMAX 1
 #endif
+// and as bf16_dots_linear.cpp computes them (torch's own GEMM's order, where that is the route: AVX2)
+#if defined(PAGEDSERVE_Q8_ARGMAX) && defined(PAGEDSERVE_AVX2)
+#define PAGEDSERVE_BF16_DOTS_ARGMAX 1
+#endif
 
 namespace {
 
@@ -572,6 +576,27 @@ void exact_bf16_logits(const pagedserve::bf16* x, const pagedserve::bf16* w, con
 }
 #endif
 
+#ifdef PAGEDSERVE_BF16_DOTS_ARGMAX
+// The logits of candidates through a bfloat16 output layer w [N, K] as bf16_dots_linear computes them: running
+// sum v of each output takes inputs 8v .. 8v + 7 of every 64-block front to back (K a multiple of 64), the sums
+// fold as torch's GEMM folds them, then one rounding to bfloat16. x is float32 holding bfloat16 values (the
+// hidden states widened), so each product is the kernel's, exact in float32: the same bits. One candidate's
+// eight sums are eight chains in flight.
+void exact_dots_logits(const float* x, const pagedserve::bf16* w, const Candidate* c, int64_t count, int64_t K,
+                       float* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float* xr = x + c[i].m * K;
+    const pagedserve::bf16* wr = w + c[i].n * K;
+    __m256 sums[8];
+    for (int v = 0; v < 8; ++v) sums[v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 64)
+      for (int v = 0; v < 8; ++v)
+        sums[v] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + k + 8 * v), pagedserve::load8(wr + k + 8 * v), sums[v]);
+    out[i] = pagedserve::rounded<pagedserve::bf16>(pagedserve::torch_dots_fold(sums));
+  }
+}
+#endif
+
 }  // namespace
 
 bool has_q8_argmax() {
@@ -584,6 +609,14 @@ bool has_q8_argmax() {
 
 bool has_bf16_argmax() {
 #ifdef PAGEDSERVE_BF16_ARGMAX
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_bf16_dots_argmax() {
+#ifdef PAGEDSERVE_BF16_DOTS_ARGMAX
   return true;
 #else
   return false;
@@ -606,13 +639,14 @@ std::string q8_argmax_kind() {
 // block's scale * code, rounded up; widest float32 [N / 16, 2 or 3, K / 32]: per group and block the largest
 // of its 16 norms, then of its absums, then (with resid) of its resids. The weights whose logits decide:
 // the codes' (codes given, weight and resid None: coded_linear's FMA chain), or weight's, bfloat16 [N, K]
-// (bf16_linear's sums rounded to bfloat16) or float32 [N, K] (panel_linear's FMA chain), with resid float32
+// (bf16_linear's sums rounded to bfloat16; with dots, bf16_dots_linear's) or float32 [N, K] (panel_linear's FMA
+// chain), with resid float32
 // [N / 16, K / 32, 16]: the Euclidean norm of each block's w - scale * code, rounded up. Returns
 // the token [M] (int64; -1 for a row with a value that is not finite: the caller computes that row in full),
 // its logit [M] (float32) and how many outputs were computed exactly [M] (int64).
 std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> codes,
                                   at::Tensor scales, at::Tensor absums, at::Tensor norms, at::Tensor widest,
-                                  c10::optional<at::Tensor> weight, c10::optional<at::Tensor> resid) {
+                                  c10::optional<at::Tensor> weight, c10::optional<at::Tensor> resid, bool dots) {
   TORCH_CHECK(has_q8_argmax(), "q8_argmax: this build has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "q8_argmax: x [M, K] float32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
@@ -639,7 +673,10 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional
   TORCH_CHECK(!weight.has_value() || ((rounded || wide) && weight->is_contiguous() && weight->dim() == 2 &&
                                       weight->size(0) == groups * kGroup && weight->size(1) == K),
               "q8_argmax: weight bfloat16 or float32 [N, K]");
-  TORCH_CHECK(!rounded || has_bf16_argmax(), "q8_argmax: this build has no AVX512-BF16 for a bfloat16 output layer");
+  TORCH_CHECK(!rounded || dots || has_bf16_argmax(),
+              "q8_argmax: this build has no AVX512-BF16 for a bfloat16 output layer");
+  TORCH_CHECK(!dots || (rounded && has_bf16_dots_argmax() && K % 64 == 0), "q8_argmax: dots takes a bfloat16 "
+              "weight with K a multiple of 64, in a build with AVX2");
   TORCH_CHECK(weight.has_value() == plain, "q8_argmax: a weight needs resid, and resid a weight (the codes' "
               "logits take codes alone)");
   TORCH_CHECK(weight.has_value() || codes.has_value(), "q8_argmax: codes or a weight: the logits that decide");
@@ -647,7 +684,7 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional
                                      codes->dim() == 3 && codes->size(0) == groups && codes->size(1) == K &&
                                      codes->size(2) == kGroup), "q8_argmax: codes int8 [N / 16, K, 16]");
   // (exact_bf16_logits gathers a candidate's pairs by 32-bit indices)
-  TORCH_CHECK(!rounded || std::max(groups * kGroup, M) * (K / 2) <= std::numeric_limits<int32_t>::max(),
+  TORCH_CHECK(!rounded || dots || std::max(groups * kGroup, M) * (K / 2) <= std::numeric_limits<int32_t>::max(),
               "q8_argmax: a bfloat16 output layer or x of more than 2^31 input pairs");
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   auto logits = at::empty({M}, x.options());
@@ -667,7 +704,7 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional
   const float slack = std::max(kSlack, 2.f * static_cast<float>(K + blocks) * std::ldexp(1.f, -24) * kLevels);
 #ifdef PAGEDSERVE_BF16_ARGMAX
   std::vector<pagedserve::bf16> xb;
-  if (rounded) {
+  if (rounded && !dots) {
     // VDPBF16PS takes subnormal inputs as zeros and flushes subnormal sums: a row with a value under 2^-64 (the
     // products of such values with the layer's weights, at least 2^-24, could reach that range) takes the full
     // logits, as a row that is not finite
@@ -704,6 +741,13 @@ std::vector<at::Tensor> q8_argmax(at::Tensor x, at::Tensor packed, c10::optional
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t count = std::min<int64_t>(run, first[M] - r * run);
+#ifdef PAGEDSERVE_BF16_DOTS_ARGMAX
+      if (dots) {
+        exact_dots_logits(xp, reinterpret_cast<const pagedserve::bf16*>(weight->data_ptr<at::BFloat16>()),
+                          left.data() + r * run, count, K, exact.data() + r * run);
+        continue;
+      }
+#endif
 #ifdef PAGEDSERVE_BF16_ARGMAX
       if (rounded) {
         exact_bf16_logits(xb.data(), reinterpret_cast<const pagedserve::bf16*>(weight->data_ptr<at::BFloat16>()),

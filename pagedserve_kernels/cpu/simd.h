@@ -186,6 +186,21 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+// The eight running sums of one output of a bfloat16 dot product in the order of torch's own GEMM
+// (bf16_dots_linear.cpp: sum v of every 64-block's inputs 8v .. 8v + 7), halved as torch halves them, then the
+// lanes: the output before its rounding to bfloat16. Its kernels and the greedy head's exact logits both fold so.
+inline float torch_dots_fold(const __m256* s) {
+  __m256 a[4];
+  for (int v = 0; v < 4; ++v) a[v] = _mm256_add_ps(s[v], s[v + 4]);
+  a[0] = _mm256_add_ps(a[0], a[2]);
+  a[1] = _mm256_add_ps(a[1], a[3]);
+  __m256 t = _mm256_add_ps(a[0], a[1]);
+  t = _mm256_add_ps(t, _mm256_permute2f128_ps(t, t, 0x1));   // lane l + l+4
+  t = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0x4E));       // + l+2
+  t = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, 0xB1));       // + l+1
+  return _mm256_cvtss_f32(t);
+}
+
 // load16, rounded16 and store16 in eight lanes
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {

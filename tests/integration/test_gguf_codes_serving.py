@@ -34,7 +34,7 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
     if greedy_head and not kernel.has_q8_argmax():
         pytest.skip("neither AVX512-VNNI nor AVX2: no greedy head on this CPU")
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1" if greedy_head else "0")
-    monkeypatch.setitem(greedy_head_module.MIN_ROWS, kernel.q8_argmax_kind(), 1)   # this pool's steps have 1-3 rows
+    assert greedy_head_module.MIN_ROWS[kernel.q8_argmax_kind()] == 1   # (this pool's steps have 1-3 rows)
     model = gguf_form_model(build(SUPPORTED[name], "eager", seed=4))
     expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS]
     model.set_attn_implementation(attention.register())
@@ -81,26 +81,36 @@ def test_served_from_codes_like_transformers(name, greedy_head, monkeypatch):
 
 
 def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
-    """At its default, the greedy head serves a step's greedy rows only from MIN_ROWS of them: fewer go
-    through the full product, which reads the layer once as the first pass would."""
+    """The greedy head serves a step's greedy rows only from its kind's MIN_ROWS of them: fewer go through the
+    full product. Steps of ten rows, with the threshold at eleven and then at ten."""
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
     if not kernel.has_q8_argmax():
         pytest.skip("neither AVX512-VNNI nor AVX2: no greedy head on this CPU")
     monkeypatch.setenv("PAGEDSERVE_GREEDY_HEAD", "1")
     model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
-    prompts = [[1, 10 + i, 20 + 3 * i, 7] for i in range(10)]   # steps of 10 rows: over either kind's MIN_ROWS
+    prompts = [[1, 10 + i, 20 + 3 * i, 7] for i in range(10)]
     expected = [hf_reference(model, p, 6) for p in prompts]
     model.set_attn_implementation(attention.register())
-    argmax_rows, real_argmax = [], kernel.q8_argmax
+    real_argmax = kernel.q8_argmax
+    for threshold in (11, 10):
+        monkeypatch.setitem(greedy_head_module.MIN_ROWS, kernel.q8_argmax_kind(), threshold)
+        argmax_rows = []
 
-    def spy_argmax(x, *rest):
-        argmax_rows.append(x.shape[0])
-        return real_argmax(x, *rest)
-    monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
-    served = serve(model, prompts, 6, block_size=4, num_blocks=64, max_num_seqs=10, logprobs=None)
-    assert argmax_rows and min(argmax_rows) >= greedy_head_module.MIN_ROWS[kernel.q8_argmax_kind()], argmax_rows
-    assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
+        def spy_argmax(x, *rest, seen=argmax_rows):
+            seen.append(x.shape[0])
+            return real_argmax(x, *rest)
+        monkeypatch.setattr(kernel, "q8_argmax", spy_argmax)
+        served = serve(copy.deepcopy(model), prompts, 6, block_size=4, num_blocks=64, max_num_seqs=10, logprobs=None)
+        assert all(rows >= threshold for rows in argmax_rows) and bool(argmax_rows) == (threshold == 10), argmax_rows
+        assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
+
+
+def _bf16_head_route(kernel) -> bool:
+    """Whether bfloat16 products take a route whose sums the greedy head recomputes: the AVX512-BF16 kernel, or
+    the one in torch's own order (AVX2)."""
+    return (kernel.has_bf16_argmax() and linear_ops.bf16_dot_kernel(kernel)) or \
+        (kernel.has_bf16_dots_argmax() and linear_ops.bf16_dots_kernel(kernel))
 
 
 def _on_and_off(kernel, model, monkeypatch, dtype: str, mark):
@@ -123,13 +133,13 @@ def _on_and_off(kernel, model, monkeypatch, dtype: str, mark):
 
 def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
     """Served in bfloat16 (its output layer the Q8_0 codes' rounding), greedy rows asking for no log-prob take
-    the greedy head where the AVX512-BF16 kernel is the products' route, and get the tokens of the full
-    bfloat16 logits, which they get with the greedy head off."""
+    the greedy head where the AVX512-BF16 kernel, or the kernel in torch's order (AVX2), is the products' route,
+    and get the tokens of the full bfloat16 logits, which they get with the greedy head off."""
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
-    if not (kernel.has_q8_argmax() and kernel.has_bf16_argmax() and linear_ops.bf16_dot_kernel(kernel)):
-        pytest.skip("no AVX512-BF16 products with the greedy head's first pass on this CPU")
-    monkeypatch.setitem(greedy_head_module.MIN_ROWS, kernel.q8_argmax_kind(), 1)   # this pool's steps have 1-3 rows
+    if not (kernel.has_q8_argmax() and _bf16_head_route(kernel)):
+        pytest.skip("no AVX512-BF16 products, nor torch's order, with the greedy head's first pass on this CPU")
+    monkeypatch.setitem(greedy_head_module.MIN_ROWS, "avx512_bf16", 1)   # this pool's steps have 1-3 rows
     model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
     model.set_attn_implementation(attention.register())
     # (the weight it recomputes from: the bfloat16 layer's)
@@ -150,8 +160,9 @@ def test_plain_output_layer_greedy_head_gives_the_full_logits_tokens(dtype, monk
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
     if not kernel.has_q8_argmax() or (dtype == "float32" and not kernel.has_coded_simd()) or \
-            (dtype == "bfloat16" and not (kernel.has_bf16_argmax() and linear_ops.bf16_dot_kernel(kernel))):
-        pytest.skip("no float32 panels or AVX512-BF16 products beside the greedy head's first pass on this CPU")
+            (dtype == "bfloat16" and not _bf16_head_route(kernel)):
+        pytest.skip("no float32 panels, AVX512-BF16 products or torch's order beside the greedy head's first pass "
+                    "on this CPU")
     model = build(SUPPORTED["Llama"], "eager", seed=5)
     expected = [hf_reference(model, p, MAX_TOKENS) for p in PROMPTS] if dtype == "float32" else None
     model.set_attn_implementation(attention.register())

@@ -133,8 +133,12 @@ def test_norms_are_the_blocks_norms_rounded_up():
 
 @pytest.fixture
 def bf16_pass(first_pass):
-    """The kernel module, where its first pass also takes a bfloat16 output layer (AVX512-BF16 in the build) and
-    the layer's route is the AVX512-BF16 kernel, whose sums the head recomputes (not oneDNN's AMX GEMM)."""
+    """The kernel module, where its first pass also takes a bfloat16 output layer and the layer's route is a kernel
+    whose sums the head recomputes: the AVX512-BF16 kernel (AVX512-BF16 in the build), or the one in torch's own
+    order where that is the route (AVX2); not oneDNN's AMX GEMM."""
+    if linear.bf16_dots_kernel(first_pass):
+        assert first_pass.has_bf16_dots_argmax(), "torch's order is the route but the build has no head for it"
+        return first_pass
     if not first_pass.has_bf16_argmax():
         flags = cpu_flags()
         assert "avx512_bf16" not in flags or "avx512_vnni" not in flags, \
@@ -153,21 +157,22 @@ def test_no_bfloat16_head_where_onednn_is_the_route(first_pass):
     module.weight.data = weight.to(torch.bfloat16)
     module.forward = linear.RoutedLinear(module.weight.data, None, first_pass, True, codes=quantized.find_codes(weight))
     head = greedy_head.build(module, first_pass)
-    assert (head is not None) == (first_pass.has_bf16_argmax() and linear.bf16_dot_kernel(first_pass))
+    assert (head is not None) == ((first_pass.has_bf16_argmax() and linear.bf16_dot_kernel(first_pass)) or
+                                  (first_pass.has_bf16_dots_argmax() and linear.bf16_dots_kernel(first_pass)))
 
 
 def _bf16_head(kernel, weight):
     """A bfloat16 output layer rounded from the float32 Q8_0 `weight`, routed as the runner routes it (the
-    AVX512-BF16 kernel for many rows), and its greedy head."""
+    AVX512-BF16 kernel for many rows, or torch's order), and its greedy head."""
     wide = quantized.find_codes(weight)
     narrow = weight.to(torch.bfloat16)
     routed = linear.RoutedLinear(narrow, None, kernel, True, codes=wide)
-    assert routed.dot is not None and routed.plain_codes is wide and wide.rounds_to(kernel, narrow)
+    assert (routed.dot is not None or routed.dots) and routed.plain_codes is wide and wide.rounds_to(kernel, narrow)
     module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(torch.bfloat16)
     module.weight.data = narrow
     module.forward = routed
     head = greedy_head.build(module, kernel)
-    assert head is not None and head.weight is not None
+    assert head is not None and head.weight is not None and head.dots == routed.dots
     # the codes it was rounded from are the first pass's, what they miss the rounding alone
     assert torch.equal(head.scales, wide.scales) and head.resids is not None
     return routed, head
@@ -185,7 +190,7 @@ def _bf16_full(kernel, routed, x):
 @pytest.mark.parametrize("plain", [False, True])
 def test_bfloat16_token_is_the_full_products(bf16_pass, plain, rows):
     """A bfloat16 layer rounded from Q8_0 codes, or a plain one (codes found near it). K = 576 as SmolLM2's: the
-    AVX512-BF16 kernel sums it in two chunks (512 inputs, then 64)."""
+    AVX512-BF16 kernel sums it in two chunks (512 inputs, then 64), torch's order in nine blocks of 64."""
     weight = torch.randn(640, 576, generator=torch.Generator().manual_seed(7)) * 0.05
     routed, head = _plain_head(bf16_pass, weight.to(torch.bfloat16)) if plain else \
         _bf16_head(bf16_pass, q8_0_form(weight))
@@ -230,11 +235,15 @@ def test_bfloat16_many_rows_at_every_scale(bf16_pass):
 
 def test_bfloat16_rows_with_subnormal_values_take_the_full_logits(bf16_pass):
     weight = q8_0_form(torch.randn(640, 576, generator=torch.Generator().manual_seed(13)) * 0.05)
-    _, head = _bf16_head(bf16_pass, weight)
+    routed, head = _bf16_head(bf16_pass, weight)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
     x[1, 9] = 1e-30   # VDPBF16PS would flush its products' sums near there
     tokens, counts = head.tokens(x)
-    assert tokens[1] == -1 and counts[1] == 0 and tokens[0] >= 0 and tokens[2] >= 0
+    assert tokens[0] >= 0 and tokens[2] >= 0
+    if head.dots:   # torch's order takes them as FMAs do: the row's token is the full logits'
+        assert tokens == _bf16_full(bf16_pass, routed, x)[1].tolist() and counts[1] > 0
+    else:
+        assert tokens[1] == -1 and counts[1] == 0
 
 
 # plain output layers (no codes): Q8_0 codes found near the weight, the bound widened by what they miss, the
@@ -246,14 +255,15 @@ def _plain_head(kernel, weight):
     module.weight.data = weight
     linear.route_linears(module)
     routed = module.forward
-    assert routed.codes is None and (routed.panel is not None or routed.dot is not None)
+    assert routed.codes is None and (routed.panel is not None or routed.dot is not None or routed.dots)
     head = greedy_head.build(module, kernel)
     assert head is not None and head.codes is None and head.resids is not None and head.weight.dtype == weight.dtype
     return routed, head
 
 
 def _plain_full(kernel, routed, x):
-    """The route's full logits (panel_linear's or bf16_linear's) and the sampler's first argmax of them."""
+    """The route's full logits (panel_linear's, bf16_linear's or bf16_dots_linear's) and the sampler's first argmax
+    of them."""
     with torch.no_grad():
         logits = routed(x)
     best, index, _ = kernel.greedy_logsumexp(logits)
