@@ -356,10 +356,10 @@ void approx_tile(const QuantRows& xq, int64_t m0, const Head& head, int64_t g, i
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
     // the first tile of rows asks for the next group's codes and scales at the place read here
     // (coded_linear.cpp's expand_pairs says why); the other tiles find this group in the cache
-    if constexpr (Ask) __builtin_prefetch(head.scales + (next * blocks + b) * kGroup, 0, 3);
+    if constexpr (Ask) __builtin_prefetch(head.scales + (next * blocks + b) * kGroup, 0, 2);
     for (int64_t j = 0; j < kBlock / 4; ++j) {
       const uint8_t* p = head.packed + (g * (K / 4) + b * (kBlock / 4) + j) * 64;
-      if constexpr (Ask) __builtin_prefetch(head.packed + (next * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 3);
+      if constexpr (Ask) __builtin_prefetch(head.packed + (next * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 2);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
       for (int r = 0; r < R; ++r) {
