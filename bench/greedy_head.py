@@ -4,7 +4,8 @@ int8 first pass and the exact logits of its candidates), on the final hidden sta
 the bench's kind of prompts (random ordinary tokens, as bench/throughput.py's traces), alternating in one
 process; both must give the same tokens (and, in float32, logits), bit for bit.
 
-    python bench/greedy_head.py                 # SmolLM2's Q8_0 codes, float32; rows 1, 4, 16, 64, 128; median of 9
+    python bench/greedy_head.py                 # SmolLM2's Q8_0 codes, float32; rows 1, 4, 16, 64, 128; median of 9,
+                                                # each repeat the pool's next states
     python bench/greedy_head.py --dtype bfloat16
     python bench/greedy_head.py --model DIR     # a model of plain weights (bench/random_model.py writes one)
 """

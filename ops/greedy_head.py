@@ -27,10 +27,10 @@ from ops import quantized
 
 # Fewer rows than this, by the kernel's first pass, take the full logits where the layer is codes (or rounded from
 # them): there the full product is the codes' few-row path, which reads the layer as the first pass does. On
-# SmolLM2's states (bench/greedy_head.py, each repeat other states) the head took 0.49-0.63x the float32
-# product's time at 1-16 rows with AVX2 and 0.34-0.52x the bfloat16 one's in torch's order at 1-64, and a step of
-# one request took 0.95x and 0.91x its time (bench/step_mix.py). With AVX512-VNNI 0.46-0.83x the float32 time at
-# 1-8 rows, but a one-request step's time showed no difference from one row: from two, as before.
+# SmolLM2's states (bench/greedy_head.py, each repeat other states) the head took 0.55-0.79x the float32
+# product's time at 1-64 rows with AVX2 and 0.39-0.52x the bfloat16 one's in torch's order, and a step of one
+# request took 0.95x and 0.91x its time (bench/step_mix.py). With AVX512-VNNI 0.51-0.88x the float32 time at 1-8
+# rows, but a one-request step's time showed no difference from one row: from two, as before.
 # "avx512_bf16": a bfloat16 layer on the AVX512-BF16 kernel, 0.81-1.05x at 2-5 rows when last measured (on one
 # state only, the one that leaves the most candidates), not since.
 MIN_ROWS = {"avx512_vnni": 2, "avx2": 1, "avx512_bf16": 2}
