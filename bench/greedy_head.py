@@ -79,10 +79,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 best, index, _ = kernel.greedy_logsumexp(head(x))
             t1 = time.perf_counter()
-            tokens, logits, counts = kernel.q8_argmax(x.float(), greedy.packed,
-                                                      None if greedy.codes is None else greedy.codes.codes,
-                                                      greedy.scales, greedy.absums, greedy.norms, greedy.widest,
-                                                      greedy.weight, greedy.resids, greedy.dots)
+            tokens, logits, counts = greedy.argmax(x)
             t2 = time.perf_counter()
             full_times.append(t1 - t0)
             head_times.append(t2 - t1)

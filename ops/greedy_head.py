@@ -13,8 +13,8 @@ w - scale * code times the norm of x's block. The candidates' logits are the wei
 them: float32 panels (`panel_linear`: the FMA chain over k), or bfloat16 in the AVX512-BF16 kernel
 (`has_bf16_argmax`) or in torch's own order where that is the route (AVX2: `bf16_dots_linear`,
 `has_bf16_dots_argmax`), rounded to bfloat16, the token the first index of the largest of those, as the sampler
-takes it from the full bfloat16 logits. A bfloat16 layer rounded from Q8_0 codes is one too, its codes those it was rounded
-from (what they miss: the rounding). The codes and their bounds take about 1.5 bytes a weight beside the layer.
+takes it from the full bfloat16 logits. A bfloat16 layer rounded from Q8_0 codes is one too, its codes those it
+was rounded from (what they miss: the rounding). The codes and their bounds take about 1.5 bytes a weight beside the layer.
 """
 from __future__ import annotations
 
@@ -147,14 +147,17 @@ class GreedyHead:
         extra = [t for t in (self.absums, self.norms, self.widest, self.resids) if t is not None]
         return self.packed.numel() + self.scales.numel() * 2 * (self.codes is None) + sum(t.numel() * 4 for t in extra)
 
+    def argmax(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """The kernel's tensors for hidden [rows, K] (the output layer's type): per row the greedy token (-1 where
+        a value is not finite, or for bfloat16 too small: that row needs the full logits), its logit, and how many
+        logits were computed exactly."""
+        return self.kernel.q8_argmax(hidden.float().contiguous(), self.packed,
+                                     None if self.codes is None else self.codes.codes, self.scales, self.absums,
+                                     self.norms, self.widest, self.weight, self.resids, self.dots)
+
     def tokens(self, hidden: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Per row of hidden [rows, K] (the output layer's type): its greedy token (-1 where a value is not
-        finite, or for bfloat16 too small: that row needs the full logits), and how many logits were computed
-        exactly."""
-        tokens, _, counts = self.kernel.q8_argmax(hidden.float().contiguous(), self.packed,
-                                                  None if self.codes is None else self.codes.codes, self.scales,
-                                                  self.absums, self.norms, self.widest, self.weight, self.resids,
-                                                  self.dots)
+        """Per row of hidden: its greedy token (or -1, as `argmax`) and how many logits were computed exactly."""
+        tokens, _, counts = self.argmax(hidden)
         return tokens.tolist(), counts.tolist()
 
 

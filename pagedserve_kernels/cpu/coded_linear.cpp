@@ -601,7 +601,7 @@ void direct_group(const Weights& w, int64_t g, const float* x, T* y, int64_t N) 
 // fn(std::integral_constant<int, G>, g) over groups [g0, g1) of the direct path: G (direct_groups<M>() unless
 // given) groups at a time while that many remain, then the rest side by side (a thread's share of the groups
 // need not be a multiple of G, and one group alone leaves a single chain in flight)
-template <int M, typename Fn, int G = direct_groups<M>()>
+template <int M, int G = direct_groups<M>(), typename Fn>
 inline void direct_groups_in(int64_t g0, int64_t g1, Fn fn) {
   int64_t g = g0;
   for (; g + G <= g1; g += G) fn(std::integral_constant<int, G>{}, g);
@@ -713,17 +713,16 @@ void dot_rows(const Weights& w, const at::Tensor& x, at::Tensor& y, const bool* 
   const auto* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    // the tiles' order (Tiles) keeps its own number of groups side by side
+    const auto run = [&](auto m, auto tiles) {
+      constexpr bool Tiles = decltype(tiles)::value;
+      direct_groups_in<m(), Tiles ? tile_groups<m()>() : direct_groups<m()>()>(g0, g1, [&](auto G, int64_t g) {
+        direct_group_dot<m(), G(), Paired, Tiles>(w, g, xp, yp, one_row, groups * kGroup);
+      });
+    };
     with_rows<kDirectRows>(M, [&](auto m) {
-      if (g_bf16_tiles.load(std::memory_order_relaxed)) {
-        auto fn = [&](auto G, int64_t g) {
-          direct_group_dot<m(), G(), Paired, true>(w, g, xp, yp, one_row, groups * kGroup);
-        };
-        direct_groups_in<m(), decltype(fn), tile_groups<m()>()>(g0, g1, fn);
-      } else {
-        direct_groups_in<m()>(g0, g1, [&](auto G, int64_t g) {
-          direct_group_dot<m(), G(), Paired, false>(w, g, xp, yp, one_row, groups * kGroup);
-        });
-      }
+      if (g_bf16_tiles.load(std::memory_order_relaxed)) run(m, std::true_type{});
+      else run(m, std::false_type{});
     });
   });
 }

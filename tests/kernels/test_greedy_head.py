@@ -350,6 +350,10 @@ def test_the_kernel_refuses_a_plain_weight_without_its_bound(first_pass):
                              head.resids)
     with pytest.raises(RuntimeError, match="codes or a weight"):
         first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, narrow, None, None)
+    # torch's order (dots) is a bfloat16 layer's, with K a multiple of 64
+    with pytest.raises(RuntimeError, match="dots takes a bfloat16"):
+        first_pass.q8_argmax(x, head.packed, None, head.scales, head.absums, head.norms, head.widest, weight,
+                             head.resids, True)
     # without panels (no packed copies) a float32 layer's logits are not the FMA chain: no head
     plain = torch.nn.Linear(96, 640, bias=False)
     plain.weight.data = weight
