@@ -14,7 +14,7 @@ PORT ?= 8000
 METRICS_PORT ?= 8001
 ARGS ?=
 
-.PHONY: install install-test serve test test-fast test-avx2 bench clean
+.PHONY: install install-test serve test test-fast test-avx2 test-avx512 bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,20 +44,28 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
-	@# a CPU with AVX-512 runs the kernels' AVX2 paths as well, which no other test here reaches (not one with
-	@# AMX: torch reports its tiles whatever the ISA it is held to, and an AVX2-only CPU has none; nor without a
-	@# compiler, which builds them)
-	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null && ! grep -qw amx_tile /proc/cpuinfo && command -v c++ >/dev/null; then \
+	@# a CPU with AVX-512 runs the kernels' AVX2 paths as well, which no other test here reaches; one with AMX
+	@# tiles runs the AVX512-BF16 paths instead, which its tiles route past (the AVX2 pass is left to
+	@# `make test-avx2` by hand there, for time); neither without a compiler, which builds them
+	@if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && grep -qw avx512_bf16 /proc/cpuinfo && command -v c++ >/dev/null; then \
+	  $(MAKE) --no-print-directory test-avx512; \
+	elif grep -qw avx512f /proc/cpuinfo 2>/dev/null && command -v c++ >/dev/null; then \
 	  $(MAKE) --no-print-directory test-avx2; fi
 
 # The kernels' AVX2 paths on this CPU (it needs AVX2, FMA and F16C): built for x86-64-v3 under a name of their
 # own, torch's and oneDNN's ops held to AVX2 too, then the tests that read the kernels: theirs, the units', and
 # the models' against transformers (docs/operations.md)
-AVX2_TESTS := tests/kernels tests/unit $(addprefix tests/integration/, test_gguf_codes_serving.py \
+HELD_TESTS := tests/kernels tests/unit $(addprefix tests/integration/, test_gguf_codes_serving.py \
   test_runner_equivalence.py test_architectures.py test_window_freeing.py test_state_models.py)
 test-avx2: install-test
 	PAGEDSERVE_CPU_KERNELS_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-	  $(BIN)/python -m pytest -q $(AVX2_TESTS)
+	  $(BIN)/python -m pytest -q $(HELD_TESTS)
+
+# The AVX512-BF16 paths of a CPU without AMX tiles (an AMD Zen 4, say) on one that has them: the kernels built for
+# cooperlake (AVX-512 with BF16 and VNNI, no AMX), oneDNN and MKL held below AMX, then the same tests
+test-avx512: install-test
+	PAGEDSERVE_CPU_KERNELS_MARCH=cooperlake ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 \
+	  MKL_ENABLE_INSTRUCTIONS=AVX512 $(BIN)/python -m pytest -q $(HELD_TESTS)
 
 # the unit tests alone: in-process, no server, no bench
 test-fast: install-test

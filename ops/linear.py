@@ -112,13 +112,19 @@ def has_packed_bf16_gemm() -> bool:
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
-def bf16_dot_kernel(kernel) -> bool:
-    """Whether bfloat16 products take the kernel's AVX512-BF16 route: the build has it, and the CPU has
-    no AMX tiles (oneDNN's AMX kernels are faster there)."""
-    if kernel is None or not kernel.has_bf16_dot():
-        return False
+def onednn_amx() -> bool:
+    """Whether oneDNN's bfloat16 products take AMX tiles here: the CPU has them (torch asks the CPU, whatever
+    the ISA oneDNN is held to) and oneDNN is not held below them (`ONEDNN_MAX_CPU_ISA` naming an ISA without
+    AMX: `make test-avx512` holds a CPU with AMX to the paths of one with AVX512-BF16 alone)."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return not (amx is not None and amx())
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return amx is not None and bool(amx()) and (held in ("", "ALL", "DEFAULT") or "AMX" in held)
+
+
+def bf16_dot_kernel(kernel) -> bool:
+    """Whether bfloat16 products take the kernel's AVX512-BF16 route: the build has it, and oneDNN has no AMX
+    tiles (its AMX kernels are faster there)."""
+    return kernel is not None and kernel.has_bf16_dot() and not onednn_amx()
 
 
 @functools.cache
@@ -130,8 +136,7 @@ def onednn_tile_order(kernel) -> bool:
     in 8,000). Where it holds, the codes' few-row kernel sums in it too (`set_bf16_tile_order`) and the kernel's own
     tile product (`amx_linear`) takes the rows above the codes', so a generated token's products are `F.linear`'s, as
     transformers computes them alone, whatever the batch."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if kernel is None or not kernel.has_bf16_dot() or not has_packed_bf16_gemm() or amx is None or not amx():
+    if kernel is None or not kernel.has_bf16_dot() or not has_packed_bf16_gemm() or not onednn_amx():
         return False
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(TILE_CALL_ROWS, 576, generator=gen).to(torch.bfloat16)
