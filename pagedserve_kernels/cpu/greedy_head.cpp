@@ -351,32 +351,49 @@ void approx_tile(const QuantRows& xq, int64_t m0, const Head& head, int64_t g, i
   float (*total)[kGroup] = reinterpret_cast<float (*)[kGroup]>(totals + m0 * kGroup);
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(total[r] + 8 * h, _mm256_setzero_ps());
+  // the rows' and the group's places, taken once: with them inside the loops GCC kept the row index on the
+  // stack, added to it there every four inputs, and spilled accumulators
+  const int8_t* xr[R];
+  const float* sr[R];
+  const int32_t* cr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (m0 + r) * K;
+    sr[r] = xq.s.data() + (m0 + r) * blocks;
+    cr[r] = xq.corr.data() + (m0 + r) * blocks;
+  }
+  const uint8_t* codes = head.packed + g * (K / 4) * 64;
+  const uint8_t* ahead = head.packed + next * (K / 4) * 64;
+  const at::Half* scales = head.scales + g * blocks * kGroup;
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(xq.corr[(m0 + r) * blocks + b]);
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(cr[r][b]);
     // the first tile of rows asks for the next group's codes and scales at the place read here
     // (coded_linear.cpp's expand_pairs says why); the other tiles find this group in the cache
     if constexpr (Ask) __builtin_prefetch(head.scales + (next * blocks + b) * kGroup, 0, 2);
-    for (int64_t j = 0; j < kBlock / 4; ++j) {
-      const uint8_t* p = head.packed + (g * (K / 4) + b * (kBlock / 4) + j) * 64;
-      if constexpr (Ask) __builtin_prefetch(head.packed + (next * (K / 4) + b * (kBlock / 4) + j) * 64, 0, 2);
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    const uint8_t* p = codes + b * kBlock * kGroup;
+#pragma GCC unroll 8
+    for (int j = 0; j < kBlock / 4; ++j) {
+      if constexpr (Ask) __builtin_prefetch(ahead + (b * (kBlock / 4) + j) * 64, 0, 2);
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32));
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xq.q.data() + (m0 + r) * K + b * kBlock + 4 * j, 4);
+        std::memcpy(&four, xr[r] + b * kBlock + 4 * j, 4);
         const __m256i x4 = _mm256_set1_epi32(four);
         acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x4), ones));
         acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x4), ones));
+        // each sum in its register here: GCC otherwise reorders the integer adds into a tree over the
+        // block, its terms waiting on the stack
+        asm("" : "+x"(acc[r][0]), "+x"(acc[r][1]));
       }
     }
-    const at::Half* d = head.scales + (g * blocks + b) * kGroup;
+    const at::Half* d = scales + b * kGroup;
     for (int h = 0; h < 2; ++h) {
       const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * h)));
       for (int r = 0; r < R; ++r)
         _mm256_storeu_ps(total[r] + 8 * h,
                          _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), dh),
-                                         _mm256_set1_ps(xq.s[(m0 + r) * blocks + b]), _mm256_loadu_ps(total[r] + 8 * h)));
+                                         _mm256_set1_ps(sr[r][b]), _mm256_loadu_ps(total[r] + 8 * h)));
     }
     // the totals wait in memory: GCC would hold them in eight registers across the blocks and spill the
     // sums of the products instead, in the loop that matters
