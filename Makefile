@@ -52,11 +52,13 @@ test: install-test
 	elif grep -qw avx512f /proc/cpuinfo 2>/dev/null && command -v c++ >/dev/null; then \
 	  $(MAKE) --no-print-directory test-avx2; fi
 
-# The kernels' AVX2 paths on this CPU (it needs AVX2, FMA and F16C): built for x86-64-v3 under a name of their
-# own, torch's and oneDNN's ops held to AVX2 too, then the tests that read the kernels: theirs, the units', and
-# the models' against transformers (docs/operations.md)
+# the tests that read the kernels, run again under a hold below: theirs, the units', and the models' against
+# transformers (docs/operations.md)
 HELD_TESTS := tests/kernels tests/unit $(addprefix tests/integration/, test_gguf_codes_serving.py \
   test_runner_equivalence.py test_architectures.py test_window_freeing.py test_state_models.py)
+
+# The kernels' AVX2 paths on this CPU (it needs AVX2, FMA and F16C): built for x86-64-v3 under a name of their
+# own, torch's, oneDNN's and MKL's ops held to AVX2 too
 test-avx2: install-test
 	PAGEDSERVE_CPU_KERNELS_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
 	  $(BIN)/python -m pytest -q $(HELD_TESTS)
