@@ -295,9 +295,10 @@ class RoutedLinear:
                 and codes.rounds_to(self.kernel, weight) else None
         # a bfloat16 weight's codes in their plain layout (ops/greedy_head.py reads them), or None; with torch's
         # order, the Q8_0 codes the weight is the rounding of (an output layer's: the greedy head's)
-        self.plain_codes = None if wide else self.codes
         if self.dots:
             self.plain_codes = codes if self.dots_codes is not None and codes.kind == "q8_0" else None
+        else:
+            self.plain_codes = None if wide else self.codes
         # a float32 weight without codes, laid out once in the panels of the codes kernel's tiles, which then
         # serve every row count (where that kernel is vectorized); None elsewhere
         self.panel = kernel.panel_pack(weight.detach()) if packed and wide and self.codes is None \

@@ -112,6 +112,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def bf16_head_route(kernel) -> bool:
+    """Whether bfloat16 products take a route whose sums the greedy head recomputes: the AVX512-BF16 kernel, or
+    the one in torch's own order (AVX2); not oneDNN's GEMM (AMX tiles)."""
+    from ops import linear
+    return (kernel.has_bf16_argmax() and linear.bf16_dot_kernel(kernel)) or \
+        (kernel.has_bf16_dots_argmax() and linear.bf16_dots_kernel(kernel))
+
+
 def gguf_form_model(model):
     """`model` in place as the default model's GGUF expands: every linear layer whose shape the codes
     kernel takes (out a multiple of 16, in of 32) in Q4_1 form, the output layer in Q8_0; returns it."""

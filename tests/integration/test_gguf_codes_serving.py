@@ -15,9 +15,8 @@ import torch
 from data_plane import attention
 from ops import cpu_kernels
 from ops import greedy_head as greedy_head_module
-from ops import linear as linear_ops
 from tests.architectures import SUPPORTED, build
-from tests.helpers import gguf_form_model
+from tests.helpers import bf16_head_route, gguf_form_model
 from tests.serve_driver import assert_same, hf_reference, serve
 
 SHARED = list(range(200, 229))   # 29 tokens: 7 full blocks shared by two prompts
@@ -106,13 +105,6 @@ def test_greedy_head_takes_only_steps_of_enough_rows(monkeypatch):
         assert [tokens for tokens, _ in served.outputs] == [tokens for tokens, _ in expected]
 
 
-def _bf16_head_route(kernel) -> bool:
-    """Whether bfloat16 products take a route whose sums the greedy head recomputes: the AVX512-BF16 kernel, or
-    the one in torch's own order (AVX2)."""
-    return (kernel.has_bf16_argmax() and linear_ops.bf16_dot_kernel(kernel)) or \
-        (kernel.has_bf16_dots_argmax() and linear_ops.bf16_dots_kernel(kernel))
-
-
 def _on_and_off(kernel, model, monkeypatch, dtype: str, mark):
     """`model` served in `dtype` (greedy rows, no log-probs asked for) with the greedy head on, then off: the two
     results by on, and per run each q8_argmax call's rows and `mark` of its other arguments."""
@@ -137,7 +129,7 @@ def test_bfloat16_greedy_head_gives_the_full_logits_tokens(monkeypatch):
     and get the tokens of the full bfloat16 logits, which they get with the greedy head off."""
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
-    if not (kernel.has_q8_argmax() and _bf16_head_route(kernel)):
+    if not (kernel.has_q8_argmax() and bf16_head_route(kernel)):
         pytest.skip("no AVX512-BF16 products, nor torch's order, with the greedy head's first pass on this CPU")
     monkeypatch.setitem(greedy_head_module.MIN_ROWS, "avx512_bf16", 1)   # this pool's steps have 1-3 rows
     model = gguf_form_model(build(SUPPORTED["Llama"], "eager", seed=4))
@@ -160,7 +152,7 @@ def test_plain_output_layer_greedy_head_gives_the_full_logits_tokens(dtype, monk
     kernel = cpu_kernels.load()
     assert kernel is not None, cpu_kernels.failure()
     if not kernel.has_q8_argmax() or (dtype == "float32" and not kernel.has_coded_simd()) or \
-            (dtype == "bfloat16" and not _bf16_head_route(kernel)):
+            (dtype == "bfloat16" and not bf16_head_route(kernel)):
         pytest.skip("no float32 panels, AVX512-BF16 products or torch's order beside the greedy head's first pass "
                     "on this CPU")
     model = build(SUPPORTED["Llama"], "eager", seed=5)

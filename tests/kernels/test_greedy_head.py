@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ops import greedy_head, linear, quantized
-from tests.helpers import cpu_flags, q8_0_form
+from tests.helpers import bf16_head_route, cpu_flags, q8_0_form
 
 
 @pytest.fixture
@@ -157,8 +157,7 @@ def test_no_bfloat16_head_where_onednn_is_the_route(first_pass):
     module.weight.data = weight.to(torch.bfloat16)
     module.forward = linear.RoutedLinear(module.weight.data, None, first_pass, True, codes=quantized.find_codes(weight))
     head = greedy_head.build(module, first_pass)
-    assert (head is not None) == ((first_pass.has_bf16_argmax() and linear.bf16_dot_kernel(first_pass)) or
-                                  (first_pass.has_bf16_dots_argmax() and linear.bf16_dots_kernel(first_pass)))
+    assert (head is not None) == bf16_head_route(first_pass)
 
 
 def _bf16_head(kernel, weight):
